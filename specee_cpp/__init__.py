@@ -1,0 +1,34 @@
+"""specee-cpp: fast local LLM decoding on a patched llama.cpp.
+
+Public API (imported lazily, so that `specee-cpp pull` or `models` work without loading
+libllama)::
+
+    import specee_cpp
+    llm = specee_cpp.load("qwen2.5-coder-1.5b")         # registry name or path to a .gguf
+    for step in llm.stream("Write a haiku", max_tokens=64):
+        print(step.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load": ("specee_cpp.engine.llm", "load"),
+    "LLM": ("specee_cpp.engine.llm", "LLM"),
+    "Step": ("specee_cpp.engine.steps", "Step"),
+    "Stats": ("specee_cpp.engine.steps", "Stats"),
+    "SamplingConfig": ("specee_cpp.config", "SamplingConfig"),
+    "LoadConfig": ("specee_cpp.config", "LoadConfig"),
+    "SpeceeError": ("specee_cpp.errors", "SpeceeError"),
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'specee_cpp' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

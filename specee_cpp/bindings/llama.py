@@ -1,0 +1,232 @@
+"""Owning wrappers over libllama: Model, Context, Batch.
+
+Each wrapper owns one C object and frees it in ``close()`` (also on garbage collection).
+Status codes become exceptions here, once, with the offending value; llama.cpp's log is
+kept in a ring buffer so that a failed load can say why instead of printing pages of log.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import (ContextOverflowError, DecodeError, ModelFileError, SpeceeError,
+                      UnsupportedArchitectureError)
+from ..models.gguf_info import GGUFInfo, read_gguf_info
+from . import _ffi
+from ._ffi import ll
+
+_LOG: collections.deque[str] = collections.deque(maxlen=64)
+_VERBOSE = os.environ.get("SPECEE_CPP_VERBOSE", "") not in ("", "0")
+_GGML_LOG_LEVEL_ERROR = 4
+
+
+@ll.llama_log_callback
+def _on_log(level: int, text: bytes, user_data) -> None:
+    msg = text.decode("utf-8", errors="replace") if text else ""
+    _LOG.append(msg)
+    if _VERBOSE or level == _GGML_LOG_LEVEL_ERROR and os.environ.get("SPECEE_CPP_LOG_ERRORS"):
+        sys.stderr.write(msg)
+
+
+ll.llama_log_set(_on_log, ctypes.c_void_p(0))
+ll.llama_backend_init()
+
+
+def _last_error() -> str:
+    lines = [ln.strip() for ln in "".join(_LOG).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
+    return (errors or lines or ["no log"])[-1]
+
+
+def library_info() -> dict:
+    """Facts about the loaded libllama, for `doctor`."""
+    import llama_cpp
+
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "library": _ffi.lib_path,
+        "specee_patch_version": _ffi.PATCH_VERSION,
+        "gpu_offload": bool(ll.llama_supports_gpu_offload()),
+        "system_info": ll.llama_print_system_info().decode(errors="replace").strip(),
+    }
+
+
+class Model:
+    """A loaded GGUF model (weights + vocabulary)."""
+
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0):
+        self.path = Path(path)
+        self.info: GGUFInfo = read_gguf_info(self.path)  # clear error before llama.cpp sees it
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        _LOG.clear()
+        ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            log = "".join(_LOG)
+            if "unknown model architecture" in log or "unsupported model architecture" in log:
+                raise UnsupportedArchitectureError(
+                    f"architecture {self.info.arch!r} of {self.path} is not supported by this "
+                    f"llama.cpp build")
+            raise ModelFileError(f"llama.cpp could not load {self.path}: {_last_error()}")
+        self.ptr = ptr
+        self.vocab = ll.llama_model_get_vocab(ptr)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.n_layer = int(ll.llama_model_n_layer(ptr))
+        self.n_embd = int(ll.llama_model_n_embd(ptr))
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+    __del__ = close
+
+    @property
+    def chat_template(self) -> str | None:
+        t = ll.llama_model_chat_template(self.ptr, None)
+        return t.decode("utf-8", errors="replace") if t else None
+
+    def token_text(self, token: int) -> str:
+        """The text of a single token with special tokens rendered (for chat templates)."""
+        return self.token_to_piece(token, special=True).decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (ll.llama_token * n_max)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            n_max = -n
+            buf = (ll.llama_token * n_max)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special,
+                                  parse_special)
+        if n < 0:
+            raise SpeceeError(f"tokenization failed ({n}) for text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        if not 0 <= token < self.n_vocab:
+            raise SpeceeError(f"token id {token} out of range [0, {self.n_vocab})")
+        n = ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0,
+                                    special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+            return buf.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def bos(self) -> int:
+        return int(ll.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(ll.llama_vocab_eos(self.vocab))
+
+
+class Batch:
+    """A token batch for one sequence (seq id 0), reusable across decodes."""
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.raw = ll.llama_batch_init(n_max, 0, 1)
+
+    def set(self, tokens: list[int], pos0: int, output_last_only: bool = True) -> None:
+        """Fill with ``tokens`` at positions pos0..; logits for the last token or for all."""
+        n = len(tokens)
+        if not 0 < n <= self.n_max:
+            raise SpeceeError(f"batch of {n} tokens, capacity {self.n_max}")
+        b = self.raw
+        b.n_tokens = n
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = (i == n - 1) or not output_last_only
+
+    def close(self) -> None:
+        if getattr(self, "raw", None) is not None:
+            ll.llama_batch_free(self.raw)
+            self.raw = None
+
+    __del__ = close
+
+
+class Context:
+    """An inference context (KV cache + compute buffers) on a Model."""
+
+    def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int):
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.no_perf = True
+        _LOG.clear()
+        ptr = ll.llama_init_from_model(model.ptr, params)
+        if not ptr:
+            raise SpeceeError(f"could not create a context (n_ctx={n_ctx}): {_last_error()}")
+        self.ptr = ptr
+        self.model = model
+        self.n_ctx = int(ll.llama_n_ctx(ptr))
+        self.n_batch = n_batch
+        self.mem = ll.llama_get_memory(ptr)
+        self._n_outputs = 0
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+    __del__ = close
+
+    def decode(self, batch: Batch) -> None:
+        rc = ll.llama_decode(self.ptr, batch.raw)
+        if rc == 1:
+            raise ContextOverflowError(f"no KV cache slot for {batch.raw.n_tokens} tokens "
+                                       f"(n_ctx {self.n_ctx}); use a larger --n-ctx")
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc}: {_last_error()}")
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """A copy of the logits of output ``i`` of the last decode (-1: the last output)."""
+        ptr = ll.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise DecodeError(f"no logits for output {i}: {_last_error()}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    def seq_rm(self, p0: int, p1: int = -1) -> None:
+        """Remove positions [p0, p1) of sequence 0 from the KV cache (p1 -1: to the end)."""
+        if not ll.llama_memory_seq_rm(self.mem, 0, p0, p1):
+            raise SpeceeError(f"KV cache could not remove positions [{p0}, {p1})")
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self.mem, True)
+
+    def set_layer_inp(self, il: int, enable: bool) -> None:
+        """Capture the residual stream entering layer ``il`` in the following decodes."""
+        rc = _ffi.llama_specee_set_layer_inp(self.ptr, il, enable)
+        if rc == -1:
+            raise SpeceeError(f"layer {il} out of range [0, {self.model.n_layer})")
+        if rc == -2:
+            raise UnsupportedArchitectureError(
+                f"per-layer hidden states are not available for architecture "
+                f"{self.model.info.arch!r} (supported: llama, qwen2, qwen3)")
+
+    def layer_inp(self, il: int, n_tokens: int) -> np.ndarray:
+        """Copy of the residual stream entering layer ``il``: (n_tokens, n_embd) of the last decode."""
+        ptr = _ffi.llama_specee_get_layer_inp(self.ptr, il)
+        if not ptr:
+            raise SpeceeError(f"layer {il} input was not captured; call set_layer_inp first")
+        return np.ctypeslib.as_array(ptr, shape=(n_tokens, self.model.n_embd)).copy()

@@ -1,0 +1,251 @@
+"""`specee-cpp` command line: thin typer adapters over the API; all rich rendering lives here.
+
+User mistakes (SpeceeError) print one line on stderr and exit 1, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from .config import LoadConfig, SamplingConfig
+from .errors import SpeceeError
+from .models.registry import load_registry
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Fast local LLM decoding on a patched llama.cpp.")
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+_EXIT_WORDS = {"/exit", "/quit", "/bye"}
+
+
+# ---- shared options -------------------------------------------------------------------------
+
+def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
+    return LoadConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers)
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+OptDraft = typer.Option(None, "--draft", "-d", help="Draft model: registry name or .gguf path.")
+OptMaxTokens = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.")
+OptTemp = typer.Option(0.0, "--temperature", "-t", help="0 is greedy (deterministic).")
+OptTopK = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: all).")
+OptTopP = typer.Option(1.0, "--top-p", help="Nucleus sampling mass.")
+OptSeed = typer.Option(0, "--seed", help="Random seed for sampling.")
+OptCtx = typer.Option(4096, "--n-ctx", help="Context window in tokens.")
+OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
+OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
+OptMode = typer.Option("plain", "--mode", help="Decoding strategy.")
+
+
+def _stats_line(stats) -> str:
+    parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s",
+             f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s"]
+    if stats.acceptance is not None:
+        parts.append(f"acceptance {stats.acceptance:.0%}")
+    return ", ".join(parts)
+
+
+# ---- generate / chat ------------------------------------------------------------------------
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="Registry name or path to a .gguf file."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt."),
+    draft: Optional[str] = OptDraft,
+    max_tokens: int = OptMaxTokens,
+    temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
+    seed: int = OptSeed,
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
+    mode: str = OptMode,
+) -> None:
+    """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
+    from .engine.llm import LLM
+
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
+        steps = llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
+                           mode=mode)
+        pieces, tokens, stats = [], [], None
+        for step in steps:
+            if not as_json:
+                out.print(step.text, end="", markup=False, soft_wrap=True)
+            pieces.append(step.text)
+            if step.finish_reason != "stop":
+                tokens.append(step.token)
+            stats = step.stats or stats
+        if as_json:
+            print(json.dumps({"model": str(llm.model.path), "mode": mode, "text": "".join(pieces),
+                              "tokens": tokens, "stats": stats.as_dict()}))
+        else:
+            out.print()
+            err.print(f"[dim]{_stats_line(stats)}[/dim]")
+
+
+@app.command()
+def chat(
+    model: Optional[str] = typer.Argument(
+        None, help="Registry name or .gguf path (default: the registry's default pair)."),
+    draft: Optional[str] = OptDraft,
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Most tokens per reply."),
+    temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
+    seed: int = OptSeed,
+    n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
+    mode: str = OptMode,
+) -> None:
+    """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
+    from .engine.llm import LLM
+
+    if model is None:
+        target, dft = load_registry().pair("default")
+        model, draft = target.name, draft or dft.name
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
+        llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
+    with llm:
+        err.print(f"[bold]{llm.model.path.name}[/bold]"
+                  + (f" + draft {llm.dft.model.path.name}" if llm.dft else "")
+                  + f", mode {mode}. Type /exit to quit, Ctrl-C stops a reply.")
+        history: list[dict] = [{"role": "system", "content": system}] if system else []
+        while True:
+            try:
+                user = input("\n> ")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                err.print("\n[dim](Ctrl-C at the prompt: type /exit or press Ctrl-D to quit)[/dim]")
+                continue
+            if user.strip() in _EXIT_WORDS:
+                break
+            if not user.strip():
+                continue
+            history.append({"role": "user", "content": user})
+            reply, stats = [], None
+            try:
+                for step in llm.stream(history, max_tokens=max_tokens, sampling=sampling,
+                                       mode=mode):
+                    out.print(step.text, end="", markup=False, soft_wrap=True)
+                    reply.append(step.text)
+                    stats = step.stats or stats
+            except KeyboardInterrupt:
+                err.print("\n[dim](reply stopped)[/dim]", end="")
+            except SpeceeError as e:  # e.g. the history outgrew the context: keep the session
+                err.print(f"\n[red]error:[/red] {e}", markup=True)
+                history.pop()
+                continue
+            out.print()
+            history.append({"role": "assistant", "content": "".join(reply)})
+            if stats is not None:
+                err.print(f"[dim]{_stats_line(stats)}[/dim]")
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=err)
+
+
+@app.command()
+def pull(
+    names: Optional[list[str]] = typer.Argument(None, help="Registry names to fetch."),
+    pair: Optional[str] = typer.Option(None, "--pair", help="Also fetch this pair's models."),
+    force: bool = typer.Option(False, "--force", help="Fetch again even if present."),
+) -> None:
+    """Download registry models into the cache, verify their sha256, keep them."""
+    from .models.pull import pull as pull_model
+
+    reg = load_registry()
+    entries = [reg.get(n) for n in names or []]
+    if pair:
+        entries += [e for e in reg.pair(pair) if e not in entries]
+    if not entries:
+        raise SpeceeError(f"name a model or --pair; registry names: {', '.join(sorted(reg.models))}")
+    for entry in entries:
+        with _progress() as bar:
+            task = bar.add_task(entry.name, total=entry.size)
+
+            def progress(desc: str, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total,
+                           description=f"{entry.name} [dim]{desc}[/dim]")
+
+            path = pull_model(entry, progress=progress, force=force)
+        err.print(f"[green]ok[/green] {entry.name}: {path}")
+
+
+@app.command()
+def models() -> None:
+    """List the registry and what is present locally."""
+    from .models.pull import is_verified
+
+    reg = load_registry()
+    table = Table(title="specee-cpp models")
+    for col in ("name", "role", "arch", "quant", "size", "local"):
+        table.add_column(col)
+    for e in reg.models.values():
+        if is_verified(e):
+            local = f"[green]verified[/green] {e.local_path}"
+        elif e.local_path.is_file():
+            local = "[yellow]present, not verified[/yellow]"
+        else:
+            local = "[dim]-[/dim]"
+        table.add_row(e.name, e.role, e.arch, e.quant, f"{e.size / 2**20:.0f} MiB", local)
+    out.print(table)
+    for name, (t, d) in reg.pairs.items():
+        out.print(f"pair [bold]{name}[/bold]: target {t}, draft {d}")
+
+
+@app.command()
+def doctor() -> None:
+    """Check the library build, the patch, CPU/GPU features and the cache."""
+    from .doctor import diagnose
+
+    rows, ok = diagnose()
+    table = Table(title="specee-cpp doctor", show_header=False)
+    table.add_column("check")
+    table.add_column("result", overflow="fold")
+    for k, v in rows:
+        table.add_row(k, str(v))
+    out.print(table)
+    if not ok:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Entry point: run the app, turning user errors into one line and exit status 1."""
+    try:
+        app(standalone_mode=False)
+    except SpeceeError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("\n[dim]interrupted[/dim]")
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as e:  # click usage errors in standalone_mode=False
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

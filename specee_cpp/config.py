@@ -1,0 +1,56 @@
+"""Configuration dataclasses: every default lives here, once."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import SpeceeError
+
+
+def default_threads() -> int:
+    # llama.cpp decode is memory-bound; more than 8 threads rarely helps on a laptop.
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How models are loaded and how big their context is."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int = 0            # 0: default_threads()
+    n_gpu_layers: int = 0         # -1: offload every layer (CUDA/Metal builds)
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 16:
+            raise SpeceeError(f"n_ctx must be at least 16, got {self.n_ctx}")
+        if self.n_batch < 1:
+            raise SpeceeError(f"n_batch must be positive, got {self.n_batch}")
+        if self.n_threads < 0:
+            raise SpeceeError(f"n_threads must be >= 0, got {self.n_threads}")
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or default_threads()
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Token selection. temperature 0 is greedy (argmax), which is deterministic."""
+
+    temperature: float = 0.0
+    top_k: int = 0                # 0: whole vocabulary
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise SpeceeError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpeceeError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpeceeError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

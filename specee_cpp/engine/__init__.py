@@ -1,0 +1,1 @@
+"""Decoding engine: strategies yield Steps, ``stream`` turns them into text and statistics."""

@@ -1,0 +1,130 @@
+"""The Python API: load a target (and optionally a draft) and stream generations."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+from ..bindings import Context, Model
+from ..config import LoadConfig, SamplingConfig
+from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
+from ..models.gguf_info import read_gguf_info
+from ..models.registry import resolve_model
+from .chat_template import ChatTemplate
+from .plain import generate_plain
+from .sampling import make_sampler
+from .sequence import Sequence
+from .steps import Stats, Step, stream
+
+Prompt = str | list[dict]
+MODES = ("plain",)
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    tokens: list[int]
+    stats: Stats
+
+
+def check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Raise unless draft and target share a vocabulary (read from the GGUF headers)."""
+    t, d = read_gguf_info(target), read_gguf_info(draft)
+    if t.tokenizer_fingerprint != d.tokenizer_fingerprint:
+        raise TokenizerMismatchError(
+            f"draft {draft.name} ({d.n_vocab} tokens, tokenizer {d.tokenizer_fingerprint}) does "
+            f"not share the tokenizer of target {target.name} ({t.n_vocab} tokens, "
+            f"{t.tokenizer_fingerprint})")
+
+
+class _Loaded:
+    """A model with its context and cached sequence."""
+
+    def __init__(self, path: Path, cfg: LoadConfig):
+        self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers)
+        self.ctx = Context(self.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
+                           n_threads=cfg.threads)
+        self.seq = Sequence(self.ctx)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+
+class LLM:
+    """A target model, an optional draft, and their KV caches.
+
+    The cache is kept between calls: a prompt that extends the previous one (a chat) only
+    decodes its new tokens.
+    """
+
+    def __init__(self, model: str | Path, draft: str | Path | None = None,
+                 config: LoadConfig = LoadConfig()):
+        self.config = config
+        target_path = resolve_model(model)
+        draft_path = resolve_model(draft) if draft is not None else None
+        if draft_path is not None:
+            check_same_tokenizer(target_path, draft_path)
+        self.tgt = _Loaded(target_path, config)
+        self.dft = _Loaded(draft_path, config) if draft_path is not None else None
+        self._template: ChatTemplate | None = None
+
+    @property
+    def model(self) -> Model:
+        return self.tgt.model
+
+    def close(self) -> None:
+        for loaded in (self.tgt, self.dft):
+            if loaded is not None:
+                loaded.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def prompt_tokens(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a string (chat template applied unless ``chat`` is False)
+        or a list of {role, content} messages."""
+        if isinstance(prompt, str) and not chat:
+            return self.model.tokenize(prompt, add_special=True, parse_special=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if self._template is None:
+            self._template = ChatTemplate(self.model)
+        text = self._template.render(messages)
+        # The template writes BOS itself where the model wants one.
+        return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    def stream(self, prompt: Prompt, *, max_tokens: int = 256,
+               sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
+               chat: bool = True, mode: str = "plain") -> Iterator[Step]:
+        """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
+        carries ``finish_reason`` and ``stats``."""
+        if mode not in MODES:
+            raise SpeceeError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        if max_tokens < 1:
+            raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
+        tokens = self.prompt_tokens(prompt, chat=chat)
+        if len(tokens) + max_tokens > self.tgt.ctx.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceed the context "
+                f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
+        steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
+        return stream(steps, piece=self.model.token_to_piece, is_eog=self.model.is_eog,
+                      max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop))
+
+    def generate(self, prompt: Prompt, **kw) -> Result:
+        """Run :meth:`stream` to the end and return the text, token ids and statistics."""
+        text, toks, stats = [], [], None
+        for step in self.stream(prompt, **kw):
+            text.append(step.text)
+            if step.finish_reason != "stop":
+                toks.append(step.token)
+            stats = step.stats or stats
+        return Result(text="".join(text), tokens=toks, stats=stats)
+
+
+def load(model: str | Path, draft: str | Path | None = None, **config) -> LLM:
+    """Load a registry name or .gguf path (``draft`` likewise); ``config``: LoadConfig fields."""
+    return LLM(model, draft=draft, config=LoadConfig(**config))

@@ -1,0 +1,70 @@
+"""The tokens held in a context's KV cache, fed in batches and rewound on demand."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..bindings import Batch, Context
+from ..errors import SpeceeError
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Sequence:
+    """Sequence 0 of a context. ``tokens`` is exactly what the KV cache holds: it is
+    extended only after a successful decode and cut together with the cache."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.tokens: list[int] = []
+        self._batch = Batch(ctx.n_batch)
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def rewind(self, n_keep: int) -> None:
+        """Keep the first ``n_keep`` tokens in the cache, drop the rest.
+
+        Always clears the cache from ``n_keep`` on, even past ``tokens``: an interrupt between
+        a decode and the bookkeeping after it can leave cells that ``tokens`` does not list.
+        """
+        self.ctx.seq_rm(n_keep)
+        del self.tokens[n_keep:]
+
+    def feed(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """Decode ``tokens`` after the cached ones.
+
+        Returns the logits of the last token, or with ``all_logits`` a (len(tokens), n_vocab)
+        array (then ``tokens`` must fit one batch: it is used to verify drafts).
+        """
+        if not tokens:
+            raise SpeceeError("feed() needs at least one token")
+        if all_logits and len(tokens) > self.ctx.n_batch:
+            raise SpeceeError(f"{len(tokens)} tokens with all logits exceed n_batch "
+                              f"{self.ctx.n_batch}")
+        for i in range(0, len(tokens), self.ctx.n_batch):
+            chunk = tokens[i:i + self.ctx.n_batch]
+            self._batch.set(chunk, len(self.tokens), output_last_only=not all_logits)
+            self.ctx.decode(self._batch)
+            self.tokens.extend(chunk)
+        if all_logits:
+            return np.stack([self.ctx.logits(j) for j in range(len(tokens))])
+        return self.ctx.logits(-1)
+
+    def prefill(self, prompt: list[int]) -> np.ndarray:
+        """Make the cache hold exactly ``prompt``, reusing the longest cached prefix.
+
+        Returns the logits after the last prompt token.
+        """
+        if not prompt:
+            raise SpeceeError("empty prompt")
+        # Re-decode at least the last token: its logits are needed and are not cached.
+        n_keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        self.rewind(n_keep)
+        return self.feed(prompt[n_keep:])

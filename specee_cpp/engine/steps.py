@@ -1,0 +1,141 @@
+"""The one step record, and the stream wrapper that turns steps into text and statistics.
+
+Every decoding strategy (plain, speculative, early exit) is a generator of :class:`Step`.
+:func:`stream` is the only place that detokenizes, applies stop conditions and times a
+generation; the CLI, the Python API and the benchmark all consume its output.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Iterator
+
+PHASES = ("prefill", "decode", "draft", "verify", "probe")
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Totals of one generation; JSON-ready via ``as_dict``."""
+
+    n_prompt: int
+    n_gen: int
+    prefill_s: float
+    decode_s: float
+    n_drafted: int = 0
+    n_accept: int = 0
+    exit_layers: dict[int, int] = field(default_factory=dict)   # exit layer -> count
+    timings: dict[str, float] = field(default_factory=dict)     # seconds by phase
+    finish_reason: str = "length"
+
+    @property
+    def decode_tps(self) -> float:
+        return self.n_gen / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.n_accept / self.n_drafted if self.n_drafted else None
+
+    def as_dict(self) -> dict:
+        return {
+            "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+            "prefill_tps": round(self.prefill_tps, 3), "decode_tps": round(self.decode_tps, 3),
+            "n_drafted": self.n_drafted, "n_accept": self.n_accept,
+            "acceptance": self.acceptance,
+            "exit_layers": {str(k): v for k, v in sorted(self.exit_layers.items())},
+            "timings": {k: round(v, 6) for k, v in self.timings.items()},
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(frozen=True)
+class Step:
+    """One emitted token.
+
+    Strategies fill the first group of fields; :func:`stream` fills ``text`` and, on the
+    last step, ``finish_reason`` and ``stats``.
+    """
+
+    token: int
+    source: str = "target"          # target | draft (accepted draft token) | exit
+    exit_layer: int | None = None   # layer the target exited at, None for full depth
+    n_drafted: int = 0              # tokens drafted in the step that produced this token
+    n_accept: int = 0               # of which accepted
+    timings: dict[str, float] = field(default_factory=dict)  # seconds since the previous step
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | stop_string
+    stats: Stats | None = None
+
+
+class Detokenizer:
+    """Incremental bytes -> text: holds back incomplete UTF-8 sequences between tokens."""
+
+    def __init__(self, piece: Callable[[int], bytes]):
+        self._piece = piece
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        return self._utf8.decode(self._piece(token))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Callable[[int], bool],
+           max_tokens: int, n_prompt: int, stop: tuple[str, ...] = ()) -> Iterator[Step]:
+    """Run a strategy until an end-of-generation token, ``max_tokens`` or a stop string.
+
+    Yields each step with its text piece; the last step carries ``finish_reason`` and
+    ``stats``. An end-of-generation token is reported in the last step with empty text and
+    is not counted in ``n_gen``. Text that might be the start of a stop string is held back
+    until it is known not to be.
+    """
+    detok = Detokenizer(piece)
+    hold = max((len(s) for s in stop), default=1) - 1
+    pending = ""                      # text not yet released (possible stop-string prefix)
+    totals: Counter[str] = Counter()
+    exits: Counter[int] = Counter()
+    n_gen = n_drafted = n_accept = 0
+    t_start = time.perf_counter()
+
+    def finish(step: Step, text: str, reason: str) -> Step:
+        decode_s = time.perf_counter() - t_start - totals["prefill"]
+        stats = Stats(n_prompt=n_prompt, n_gen=n_gen, prefill_s=totals["prefill"],
+                      decode_s=max(decode_s, 0.0), n_drafted=n_drafted, n_accept=n_accept,
+                      exit_layers=dict(exits), timings=dict(totals), finish_reason=reason)
+        return replace(step, text=text, finish_reason=reason, stats=stats)
+
+    it = iter(steps)
+    try:
+        for step in it:
+            totals.update(step.timings)
+            n_drafted += step.n_drafted
+            n_accept += step.n_accept
+            if is_eog(step.token):
+                yield finish(step, pending + detok.flush(), "stop")
+                return
+            n_gen += 1
+            if step.exit_layer is not None:
+                exits[step.exit_layer] += 1
+            pending += detok.add(step.token)
+            if stop:
+                hits = [i for i in (pending.find(s) for s in stop) if i >= 0]
+                if hits:
+                    yield finish(step, pending[:min(hits)], "stop_string")
+                    return
+            if n_gen >= max_tokens:
+                yield finish(step, pending + detok.flush(), "length")
+                return
+            cut = len(pending) - hold if stop else len(pending)
+            out, pending = pending[:cut], pending[cut:]
+            yield replace(step, text=out)
+    finally:
+        close = getattr(it, "close", None)
+        if close:
+            close()  # lets the strategy rewind its KV state in its own finally

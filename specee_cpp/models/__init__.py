@@ -1,0 +1,1 @@
+"""Model files: the registry (models.toml), fetching (pull) and GGUF inspection."""

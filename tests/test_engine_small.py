@@ -1,0 +1,80 @@
+"""End to end on the real SmolLM2-135M (pulled through `pull`): plain generation."""
+import pytest
+
+from specee_cpp.config import LoadConfig, SamplingConfig
+from specee_cpp.engine.llm import LLM, check_same_tokenizer
+from specee_cpp.errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
+
+RAW_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def test_greedy_equals_llama_cpp_python(small_llm, small_model):
+    """Our plain greedy decoding emits the same tokens as llama-cpp-python's own Llama."""
+    from llama_cpp import Llama
+
+    ours = small_llm.generate(RAW_PROMPT, max_tokens=48, chat=False)
+    # our contexts keep llama.cpp's default flash-attention "auto" (on for CPU); Llama turns it
+    # off unless asked, and the two kernels round differently
+    ref_llm = Llama(str(small_model), n_ctx=1024, n_threads=2, flash_attn=True, verbose=False)
+    ref = []
+    for tok in ref_llm.generate(ref_llm.tokenize(RAW_PROMPT.encode()), top_k=1, temp=0.0):
+        if ref_llm.token_eos() == tok or len(ref) == 48:
+            break
+        ref.append(tok)
+    ref_llm.close()
+    assert len(ours.tokens) == 48
+    assert ours.tokens == ref
+
+
+def test_deterministic_and_streaming_equals_nonstreaming(small_llm):
+    a = small_llm.generate("Name three colors.", max_tokens=32)
+    steps = list(small_llm.stream("Name three colors.", max_tokens=32))
+    assert "".join(s.text for s in steps) == a.text
+    assert [s.token for s in steps if s.finish_reason != "stop"] == a.tokens
+    assert a.text.strip() and steps[-1].stats is not None
+    assert all(s.stats is None for s in steps[:-1])
+
+
+def test_chat_template_applied(small_llm):
+    toks = small_llm.prompt_tokens("Hi there")
+    text = b"".join(small_llm.model.token_to_piece(t, special=True) for t in toks).decode()
+    assert text.startswith("<|im_start|>system")
+    assert "<|im_start|>user\nHi there<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # template control tokens are parsed as single special tokens, not as text
+    im_start = small_llm.model.tokenize("<|im_start|>", add_special=False, parse_special=True)
+    assert len(im_start) == 1 and im_start[0] in toks
+
+
+def test_multi_turn_reuses_cache_without_changing_output(small_llm, small_model):
+    history = [{"role": "user", "content": "What is 2+2?"}]
+    first = small_llm.generate(history, max_tokens=24)
+    history += [{"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And 3+3?"}]
+    second = small_llm.generate(history, max_tokens=24)
+    with LLM(small_model, config=LoadConfig(n_ctx=1024, n_threads=2)) as fresh:
+        assert fresh.generate(history, max_tokens=24).tokens == second.tokens
+
+
+def test_sampling_with_seed_is_reproducible(small_llm):
+    cfg = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, seed=123)
+    a = small_llm.generate("Tell me a story.", max_tokens=24, sampling=cfg)
+    b = small_llm.generate("Tell me a story.", max_tokens=24, sampling=cfg)
+    assert a.tokens == b.tokens
+
+
+def test_stop_string(small_llm):
+    full = small_llm.generate(RAW_PROMPT, max_tokens=40, chat=False)
+    assert "\n" in full.text.strip("\n")
+    cut = small_llm.generate(RAW_PROMPT, max_tokens=40, chat=False, stop=["\n"])
+    assert cut.stats.finish_reason == "stop_string" and "\n" not in cut.text
+
+
+def test_errors_name_the_value(small_llm, small_model, tiny_llama):
+    with pytest.raises(ContextOverflowError, match="1024"):
+        small_llm.generate("hello", max_tokens=5000)
+    with pytest.raises(SpeceeError, match="'turbo'"):
+        small_llm.generate("hello", mode="turbo")
+    with pytest.raises(TokenizerMismatchError, match="tokenizer"):
+        check_same_tokenizer(small_model, tiny_llama)
+    check_same_tokenizer(small_model, small_model)

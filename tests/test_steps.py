@@ -1,0 +1,66 @@
+"""The stream wrapper on a scripted strategy: text, stop conditions, statistics."""
+from specee_cpp.engine.steps import Step, stream
+
+# token id -> bytes; 9 is end-of-generation; 5+6 split one UTF-8 character (é = c3 a9)
+PIECES = {1: b"Hel", 2: b"lo", 3: b" wor", 4: b"ld", 5: b"\xc3", 6: b"\xa9", 7: b"!", 9: b""}
+
+
+def run(tokens, **kw):
+    def strategy():
+        for i, t in enumerate(tokens):
+            yield Step(token=t, timings={"prefill": 0.5} if i == 0 else {"decode": 0.1},
+                       n_drafted=2, n_accept=1, exit_layer=3 if t == 2 else None)
+    kw.setdefault("max_tokens", 100)
+    return list(stream(strategy(), piece=PIECES.__getitem__, is_eog=lambda t: t == 9,
+                       n_prompt=4, **kw))
+
+
+def test_text_and_eog():
+    steps = run([1, 2, 3, 4, 9, 1])
+    assert "".join(s.text for s in steps) == "Hello world"
+    last = steps[-1]
+    assert last.token == 9 and last.finish_reason == "stop" and last.text == ""
+    assert [s.finish_reason for s in steps[:-1]] == [None] * 4
+    st = last.stats
+    assert (st.n_prompt, st.n_gen, st.n_drafted, st.n_accept) == (4, 4, 10, 5)
+    assert st.prefill_s == 0.5 and st.timings["decode"] == 0.4
+    assert st.exit_layers == {3: 1}
+
+
+def test_max_tokens():
+    steps = run([1, 2, 3, 4], max_tokens=2)
+    assert len(steps) == 2 and steps[-1].finish_reason == "length"
+    assert "".join(s.text for s in steps) == "Hello"
+
+
+def test_utf8_split_across_tokens():
+    steps = run([1, 5, 6, 7, 9])
+    assert [s.text for s in steps] == ["Hel", "", "é", "!", ""]
+
+
+def test_stop_string_held_back_and_cut():
+    steps = run([1, 2, 3, 4, 7], stop=("o w",))
+    text = "".join(s.text for s in steps)
+    assert text == "Hell" and steps[-1].finish_reason == "stop_string"
+
+
+def test_stop_string_not_matched_releases_everything():
+    steps = run([1, 2, 3, 4, 9], stop=("xyz",))
+    assert "".join(s.text for s in steps) == "Hello world"
+
+
+def test_closing_the_stream_closes_the_strategy():
+    closed = []
+
+    def strategy():
+        try:
+            while True:
+                yield Step(token=1)
+        finally:
+            closed.append(True)
+
+    s = stream(strategy(), piece=PIECES.__getitem__, is_eog=lambda t: False, n_prompt=1,
+               max_tokens=10)
+    next(s)
+    s.close()
+    assert closed == [True]
