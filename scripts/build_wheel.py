@@ -169,8 +169,8 @@ def build(out_dir: Path, key: str, patches: list[Path], args: list[str]) -> Path
         shutil.rmtree(work, ignore_errors=True)
 
 
-def cached_wheel(force: bool = False) -> Path:
-    patches = patch_files()
+def cached_wheel(force: bool = False, stock: bool = False) -> Path:
+    patches = [] if stock else patch_files()
     args = cmake_args()
     key = cache_key(patches, args)
     out_dir = home_dir() / "wheels" / key
@@ -185,12 +185,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached wheel exists")
     ap.add_argument("--key", action="store_true", help="print the cache key and exit")
+    ap.add_argument("--stock", action="store_true",
+                    help="build without patches (the baseline for benchmarks)")
     ns = ap.parse_args()
     if ns.key:
-        print(cache_key(patch_files(), cmake_args()))
+        print(cache_key([] if ns.stock else patch_files(), cmake_args()))
         return 0
     try:
-        print(cached_wheel(force=ns.force))
+        print(cached_wheel(force=ns.force, stock=ns.stock))
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -183,7 +183,7 @@ def pull(
                            description=f"{entry.name} [dim]{desc}[/dim]")
 
             path = pull_model(entry, progress=progress, force=force)
-        err.print(f"[green]ok[/green] {entry.name}: {path}")
+        err.print(f"[green]ok[/green] {entry.name}: {path}", soft_wrap=True)
 
 
 @app.command()

@@ -67,6 +67,9 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
         t(f"blk.{i}.attn_q.weight", n_embd, n_embd)
         t(f"blk.{i}.attn_k.weight", n_embd_kv, n_embd)
         t(f"blk.{i}.attn_v.weight", n_embd_kv, n_embd)
+        if arch == "qwen3":
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         if arch == "qwen2":
             t(f"blk.{i}.attn_q.bias", n_embd, scale=0.1)
             t(f"blk.{i}.attn_k.bias", n_embd_kv, scale=0.1)

@@ -10,7 +10,7 @@ import ctypes
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 1
+REQUIRED_PATCH_VERSION = 2
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -45,6 +45,34 @@ llama_specee_set_layer_inp = _bind(
 llama_specee_get_layer_inp = _bind(
     "llama_specee_get_layer_inp", [ll.llama_context_p_ctypes, ctypes.c_int32],
     ctypes.POINTER(ctypes.c_float))
+
+_ctx_p = ll.llama_context_p_ctypes
+
+# int32_t llama_specee_stage_begin(struct llama_context * ctx, struct llama_batch batch);
+llama_specee_stage_begin = _bind("llama_specee_stage_begin", [_ctx_p, ll.llama_batch],
+                                 ctypes.c_int32)
+
+# int32_t llama_specee_stage_run(struct llama_context * ctx, int32_t il_end,
+#                                const llama_token * cand, int32_t n_cand, float * out_probe);
+llama_specee_stage_run = _bind(
+    "llama_specee_stage_run",
+    [_ctx_p, ctypes.c_int32, ctypes.POINTER(ll.llama_token), ctypes.c_int32,
+     ctypes.POINTER(ctypes.c_float)],
+    ctypes.c_int32)
+
+# int32_t llama_specee_stage_exit(struct llama_context * ctx, bool full_head);
+llama_specee_stage_exit = _bind("llama_specee_stage_exit", [_ctx_p, ctypes.c_bool],
+                                ctypes.c_int32)
+
+# void llama_specee_stage_abort(struct llama_context * ctx);
+llama_specee_stage_abort = _bind("llama_specee_stage_abort", [_ctx_p], None)
+
+# int32_t llama_specee_stage_layer(const struct llama_context * ctx);
+llama_specee_stage_layer = _bind("llama_specee_stage_layer", [_ctx_p], ctypes.c_int32)
+
+# float * llama_specee_stage_hidden(struct llama_context * ctx);
+llama_specee_stage_hidden = _bind("llama_specee_stage_hidden", [_ctx_p],
+                                  ctypes.POINTER(ctypes.c_float))
 
 PATCH_VERSION = llama_specee_patch_version()
 if PATCH_VERSION < REQUIRED_PATCH_VERSION:

@@ -162,10 +162,20 @@ class Batch:
     __del__ = close
 
 
-class Context:
-    """An inference context (KV cache + compute buffers) on a Model."""
+STAGED_ARCHS = ("llama", "qwen2")
+_GGML_TYPE_F32 = 0
+_FLASH_ATTN_DISABLED = 0
 
-    def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int):
+
+class Context:
+    """An inference context (KV cache + compute buffers) on a Model.
+
+    ``exact=True`` keeps the KV cache in F32 and turns flash attention off, so that tests
+    can compare against a float64 numpy reference tightly; it is slower and not for use.
+    """
+
+    def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int,
+                 exact: bool = False):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -173,6 +183,9 @@ class Context:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
+        if exact:
+            params.type_k = params.type_v = _GGML_TYPE_F32
+            params.flash_attn_type = _FLASH_ATTN_DISABLED
         _LOG.clear()
         ptr = ll.llama_init_from_model(model.ptr, params)
         if not ptr:
@@ -182,7 +195,7 @@ class Context:
         self.n_ctx = int(ll.llama_n_ctx(ptr))
         self.n_batch = n_batch
         self.mem = ll.llama_get_memory(ptr)
-        self._n_outputs = 0
+        self._stage_n_tokens = 0
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
@@ -230,3 +243,63 @@ class Context:
         if not ptr:
             raise SpeceeError(f"layer {il} input was not captured; call set_layer_inp first")
         return np.ctypeslib.as_array(ptr, shape=(n_tokens, self.model.n_embd)).copy()
+
+    # -- staged decode (SpecEE): see llama_specee_stage_* in the patched llama.h ----------
+
+    def stage_begin(self, batch: Batch) -> None:
+        """Allocate KV cells for ``batch`` and run no layer yet."""
+        arch = self.model.info.arch
+        if arch not in STAGED_ARCHS:
+            raise UnsupportedArchitectureError(
+                f"early exit is not available for architecture {arch!r} "
+                f"(supported: {', '.join(STAGED_ARCHS)})")
+        rc = _ffi.llama_specee_stage_begin(self.ptr, batch.raw)
+        self._stage_n_tokens = int(batch.raw.n_tokens) if rc == 0 else 0
+        if rc == 1:
+            raise ContextOverflowError(f"no KV cache slot for {batch.raw.n_tokens} tokens "
+                                       f"(n_ctx {self.n_ctx})")
+        if rc != 0:
+            raise DecodeError(f"llama_specee_stage_begin returned {rc}: {_last_error()}")
+
+    def stage_run(self, il_end: int, cand: np.ndarray | None = None) -> np.ndarray | None:
+        """Run layers up to ``il_end``. ``cand``: (n_tokens, n_cand) token ids whose logits at
+        layer ``il_end`` are returned, same shape, float32. ``il_end == n_layer`` finishes."""
+        n_tokens = self.stage_n_tokens
+        if cand is None or il_end == self.model.n_layer:
+            rc = _ffi.llama_specee_stage_run(self.ptr, il_end, None, 0, None)
+            out = None
+        else:
+            cand = np.ascontiguousarray(cand, dtype=np.int32).reshape(n_tokens, -1)
+            out = np.empty(cand.shape, dtype=np.float32)
+            rc = _ffi.llama_specee_stage_run(
+                self.ptr, il_end, cand.ctypes.data_as(ctypes.POINTER(ll.llama_token)),
+                cand.shape[1], out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        if rc != 0:
+            raise DecodeError(f"llama_specee_stage_run(il_end={il_end}) returned {rc} "
+                              f"(layer {self.stage_layer}): {_last_error()}")
+        return out
+
+    def stage_exit(self, full_head: bool = True) -> None:
+        """Exit at the current layer: fill the skipped layers' K/V; logits if ``full_head``."""
+        rc = _ffi.llama_specee_stage_exit(self.ptr, full_head)
+        if rc != 0:
+            raise DecodeError(f"llama_specee_stage_exit returned {rc}: {_last_error()}")
+
+    def stage_abort(self) -> None:
+        _ffi.llama_specee_stage_abort(self.ptr)
+
+    @property
+    def stage_layer(self) -> int:
+        """Layers run in the open stage, -1 if none is open."""
+        return int(_ffi.llama_specee_stage_layer(self.ptr))
+
+    @property
+    def stage_n_tokens(self) -> int:
+        return self._stage_n_tokens
+
+    def stage_hidden(self) -> np.ndarray:
+        """Copy of the residual after the layers run so far: (n_tokens, n_embd)."""
+        ptr = _ffi.llama_specee_stage_hidden(self.ptr)
+        if not ptr:
+            raise SpeceeError("no open stage with a layer run")
+        return np.ctypeslib.as_array(ptr, shape=(self._stage_n_tokens, self.model.n_embd)).copy()

@@ -1,0 +1,176 @@
+"""The staged-decode patch (probes, mid-decode exit, filled KV) on tiny F32 models, checked
+against the float64 numpy reference in reference.py."""
+import numpy as np
+import pytest
+
+from reference import RefModel
+from specee_cpp.bindings import Batch, Context, Model
+from specee_cpp.errors import DecodeError, UnsupportedArchitectureError
+from tiny_gguf import write_tiny_model
+
+N_LAYER = 4
+TOL = dict(rtol=2e-4, atol=2e-4)
+PROMPT = [1, 40, 41, 42, 43, 44, 45]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("staged") / f"tiny4-{request.param}.gguf"
+    write_tiny_model(path, arch=request.param, n_layer=N_LAYER, seed=5)
+    return Model(path), RefModel(path)
+
+
+def make_ctx(model):
+    return Context(model, n_ctx=64, n_batch=16, n_threads=1, exact=True)
+
+
+def decode(ctx, tokens, pos0, all_logits=True):
+    b = Batch(16)
+    b.set(tokens, pos0, output_last_only=not all_logits)
+    ctx.decode(b)
+    n = len(tokens) if all_logits else 1
+    return np.stack([ctx.logits(i) for i in range(n)])
+
+
+def begin(ctx, tokens, pos0):
+    b = Batch(16)
+    b.set(tokens, pos0, output_last_only=False)
+    ctx.stage_begin(b)
+    return b
+
+
+def test_plain_decode_matches_reference(tiny):
+    model, ref = tiny
+    ctx = make_ctx(model)
+    got = decode(ctx, PROMPT, 0)
+    want, _ = ref.forward(PROMPT, list(range(len(PROMPT))), ref.new_cache())
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("segments", [[N_LAYER], [1, N_LAYER], [1, 2, 3, N_LAYER]])
+def test_staged_to_the_end_equals_decode(tiny, segments):
+    model, _ = tiny
+    a, b = make_ctx(model), make_ctx(model)
+    want = decode(a, PROMPT, 0)
+    begin(b, PROMPT, 0)
+    for il in segments:
+        b.stage_run(il)
+    got = np.stack([b.logits(i) for i in range(len(PROMPT))])
+    assert b.stage_layer == -1
+    # same ops on the same rows: bit-identical
+    assert np.array_equal(got, want)
+    # and the cache it leaves is the same: the next token decodes identically
+    assert np.array_equal(decode(a, [50], len(PROMPT)), decode(b, [50], len(PROMPT)))
+
+
+@pytest.mark.parametrize("layer", [1, 2, 3])
+def test_probes_and_hidden_match_reference(tiny, layer):
+    model, ref = tiny
+    ctx = make_ctx(model)
+    pos = list(range(len(PROMPT)))
+    _, hs = ref.forward(PROMPT, pos, ref.new_cache())
+    cand = np.array([[3, 7, 100 + i, 200] for i in range(len(PROMPT))])
+    begin(ctx, PROMPT, 0)
+    probe = ctx.stage_run(layer, cand)
+    np.testing.assert_allclose(ctx.stage_hidden(), hs[layer], **TOL)
+    want = np.take_along_axis(ref.head(hs[layer]), cand, axis=1)
+    np.testing.assert_allclose(probe, want, **TOL)
+    # probes are an observation: continuing to the end gives the normal logits
+    ctx.stage_run(N_LAYER)
+    full, _ = ref.forward(PROMPT, pos, ref.new_cache())
+    np.testing.assert_allclose(ctx.logits(-1), full[-1], **TOL)
+
+
+@pytest.mark.parametrize("layer", [1, 2, 3])
+def test_exit_logits_and_filled_kv(tiny, layer):
+    model, ref = tiny
+    ctx = make_ctx(model)
+    cache = ref.new_cache()
+    n = len(PROMPT)
+    ref.forward(PROMPT[:3], [0, 1, 2], cache)
+    decode(ctx, PROMPT[:3], 0)
+
+    # an exit at `layer` for a batch of several positions
+    batch = PROMPT[3:]
+    pos = list(range(3, n))
+    begin(ctx, batch, 3)
+    cand = np.tile(np.array([5, 6, 7, 8]), (len(batch), 1))
+    probe = ctx.stage_run(layer, cand)
+    ctx.stage_exit(full_head=True)
+    got = np.stack([ctx.logits(i) for i in range(len(batch))])
+    want, _ = ref.forward(batch, pos, cache, exit_layer=layer)
+    np.testing.assert_allclose(got, want, **TOL)
+    # the probe at the exit layer equals the exit logits at the candidate ids
+    np.testing.assert_allclose(probe, np.take_along_axis(got, cand, axis=1), **TOL)
+
+    # the next full decode sees the skipped layers' K/V built from h_layer
+    nxt = decode(ctx, [60, 61], n)
+    want_next, _ = ref.forward([60, 61], [n, n + 1], cache)
+    np.testing.assert_allclose(nxt, want_next, **TOL)
+
+
+def test_exit_without_head_then_seq_rm(tiny):
+    model, ref = tiny
+    ctx = make_ctx(model)
+    decode(ctx, PROMPT, 0)
+    begin(ctx, [70, 71], len(PROMPT))
+    ctx.stage_run(2)
+    ctx.stage_exit(full_head=False)
+    with pytest.raises(DecodeError):
+        ctx.logits(0)  # no logits without the head
+    # remove the exited positions and decode other tokens there: as if they never existed
+    ctx.seq_rm(len(PROMPT))
+    got = decode(ctx, [72, 73], len(PROMPT))
+    cache = ref.new_cache()
+    ref.forward(PROMPT, list(range(len(PROMPT))), cache)
+    want, _ = ref.forward([72, 73], [len(PROMPT), len(PROMPT) + 1], cache)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_abort_and_decode_during_stage_remove_positions(tiny):
+    model, ref = tiny
+    ctx = make_ctx(model)
+    decode(ctx, PROMPT, 0)
+    begin(ctx, [80, 81], len(PROMPT))
+    ctx.stage_run(1)
+    ctx.stage_abort()
+    assert ctx.stage_layer == -1
+    got = decode(ctx, [82], len(PROMPT))
+    cache = ref.new_cache()
+    ref.forward(PROMPT, list(range(len(PROMPT))), cache)
+    want, _ = ref.forward([82], [len(PROMPT)], cache)
+    np.testing.assert_allclose(got, want, **TOL)
+    # llama_decode while a stage is open discards the stage the same way
+    begin(ctx, [90], len(PROMPT) + 1)
+    ctx.stage_run(2)
+    got = decode(ctx, [83], len(PROMPT) + 1)
+    want, _ = ref.forward([83], [len(PROMPT) + 1], cache)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_invalid_stage_calls(tiny):
+    model, _ = tiny
+    ctx = make_ctx(model)
+    with pytest.raises(DecodeError):
+        ctx.stage_run(1)                      # no stage open
+    begin(ctx, PROMPT, 0)
+    with pytest.raises(DecodeError):
+        ctx.stage_exit()                      # no layer run yet
+    ctx.stage_run(2)
+    with pytest.raises(DecodeError):
+        ctx.stage_run(2)                      # not past the current layer
+    with pytest.raises(DecodeError):
+        ctx.stage_run(3, np.full((len(PROMPT), 2), 10**6))  # candidate id out of range
+    assert ctx.stage_layer == 2               # invalid calls leave the stage as it was
+    ctx.stage_abort()
+    assert ctx.stage_layer == -1
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_tiny_model(tmp_path / "tiny-qwen3.gguf", arch="qwen3")
+    model = Model(path)
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=1)
+    b = Batch(4)
+    b.set([1, 2], 0)
+    with pytest.raises(UnsupportedArchitectureError, match="qwen3"):
+        ctx.stage_begin(b)
