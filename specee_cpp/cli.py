@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -14,7 +15,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 from rich.table import Table
 
-from .config import LoadConfig, SamplingConfig
+from .config import EEConfig, LoadConfig, SamplingConfig
 from .errors import SpeceeError
 from .models.registry import load_registry
 
@@ -45,7 +46,11 @@ OptSeed = typer.Option(0, "--seed", help="Random seed for sampling.")
 OptCtx = typer.Option(4096, "--n-ctx", help="Context window in tokens.")
 OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
-OptMode = typer.Option("plain", "--mode", help="Decoding strategy.")
+OptMode = typer.Option("plain", "--mode", help="Decoding strategy: plain or ee (early exit).")
+OptProvider = typer.Option("draft", "--provider", help="ee candidates: draft or ngram.")
+OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
+OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
+OptRule = typer.Option("argmax", "--exit-rule", help="ee rule: argmax (SpecEE) or candidate.")
 
 
 def _stats_line(stats) -> str:
@@ -53,6 +58,10 @@ def _stats_line(stats) -> str:
              f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s"]
     if stats.acceptance is not None:
         parts.append(f"acceptance {stats.acceptance:.0%}")
+    n_exit = sum(stats.exit_layers.values())
+    if n_exit:
+        mean = sum(k * v for k, v in stats.exit_layers.items()) / n_exit
+        parts.append(f"exits {n_exit / max(stats.n_gen, 1):.0%} at mean layer {mean:.1f}")
     return ", ".join(parts)
 
 
@@ -69,15 +78,17 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: str = OptMode,
+    mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
+    threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
 
     sampling = _sampling(temperature, top_k, top_p, seed)
+    ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         steps = llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
-                           mode=mode)
+                           mode=mode, ee=ee)
         pieces, tokens, stats = [], [], None
         for step in steps:
             if not as_json:
@@ -104,7 +115,8 @@ def chat(
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: str = OptMode,
+    mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
+    threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
@@ -113,6 +125,7 @@ def chat(
         target, dft = load_registry().pair("default")
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
+    ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
     with llm:
@@ -136,7 +149,7 @@ def chat(
             reply, stats = [], None
             try:
                 for step in llm.stream(history, max_tokens=max_tokens, sampling=sampling,
-                                       mode=mode):
+                                       mode=mode, ee=ee):
                     out.print(step.text, end="", markup=False, soft_wrap=True)
                     reply.append(step.text)
                     stats = step.stats or stats
@@ -150,6 +163,60 @@ def chat(
             history.append({"role": "assistant", "content": "".join(reply)})
             if stats is not None:
                 err.print(f"[dim]{_stats_line(stats)}[/dim]")
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
+    prompts: Path = typer.Option(..., "--prompts", help="Spec-Bench style JSONL (dev data)."),
+    draft: Optional[str] = OptDraft,
+    provider: str = OptProvider,
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Bundle to write (.npz)."),
+    n_prompts: int = typer.Option(0, "--n-prompts", help="Use the first N prompts (0: all)."),
+    n_tokens: int = typer.Option(48, "--n-tokens", help="Continuation tokens per prompt."),
+    min_layer: int = typer.Option(0, "--min-layer", help="First calibrated layer (0: half)."),
+    threshold: float = typer.Option(0.5, "--threshold", help="Exit threshold stored in the bundle."),
+    n_ctx: int = OptCtx, threads: int = OptThreads,
+) -> None:
+    """Fit the early-exit predictors and the offline schedule on dev prompts."""
+    from .ee.calibrate import CalibConfig, calibrate as run_calibration, load_prompts
+    from .ee.candidates import DraftCandidates, NgramCandidates
+    from .engine.llm import BUNDLE_DIR, LLM
+    from .models.pull import file_sha256
+
+    texts = load_prompts(prompts)
+    texts = texts[:n_prompts] if n_prompts else texts
+    cfg = CalibConfig(n_tokens=n_tokens, min_layer=min_layer, threshold=threshold)
+    with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
+        if provider == "draft":
+            if llm.dft is None:
+                raise SpeceeError("the draft provider needs --draft")
+            cands = DraftCandidates(llm.dft.seq, k=cfg.k)
+        elif provider == "ngram":
+            cands = NgramCandidates(k=cfg.k)
+        else:
+            raise SpeceeError(f"unknown candidate provider {provider!r}; use draft or ngram")
+        if out is None:
+            out = BUNDLE_DIR / f"{file_sha256(llm.model.path)[:16]}.{provider}.npz"
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeRemainingColumn(), console=err) as bar:
+            task = bar.add_task("calibrating", total=len(texts))
+
+            def progress(desc: str, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, description=desc)
+
+            report = run_calibration(llm, cands, texts, out, cfg, progress=progress)
+    table = Table(title=f"exit predictors ({provider}), validation split")
+    for col in ("layer", "precision", "recall", "label rate", "exit rate"):
+        table.add_column(col)
+    rates = report.get("exit_rate", {})
+    for layer, r in report["per_layer"].items():
+        table.add_row(str(layer), f"{r['precision']:.2f}", f"{r['recall']:.2f}",
+                      f"{r['positive_rate']:.2f}", f"{rates.get(layer, 0):.3f}")
+    err.print(table)
+    err.print(f"offline schedule {report['offline']}; exit ratio {report['exit_ratio']:.2f}, "
+              f"agreement {report['exit_agreement']}, mean exit layer {report['mean_exit_layer']}")
+    err.print(f"[green]wrote[/green] {out}", soft_wrap=True)
 
 
 # ---- models ---------------------------------------------------------------------------------

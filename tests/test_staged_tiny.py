@@ -109,6 +109,31 @@ def test_exit_logits_and_filled_kv(tiny, layer):
     np.testing.assert_allclose(nxt, want_next, **TOL)
 
 
+@pytest.mark.parametrize("layer", [1, 3])
+def test_head_peek_keeps_the_stage_open(tiny, layer):
+    model, ref = tiny
+    ctx = make_ctx(model)
+    pos = list(range(len(PROMPT)))
+    _, hs = ref.forward(PROMPT, pos, ref.new_cache())
+    begin(ctx, PROMPT, 0)
+    ctx.stage_run(layer)
+    ctx.stage_head()
+    peek = np.stack([ctx.logits(i) for i in range(len(PROMPT))])
+    np.testing.assert_allclose(peek, ref.head(hs[layer]), **TOL)
+    assert ctx.stage_layer == layer
+    # the peek changes nothing: continuing gives the normal result
+    ctx.stage_run(N_LAYER)
+    full, _ = ref.forward(PROMPT, pos, ref.new_cache())
+    np.testing.assert_allclose(ctx.logits(-1), full[-1], **TOL)
+    # peek, then exit without head: the peeked logits stay the result
+    ctx2 = make_ctx(model)
+    begin(ctx2, PROMPT, 0)
+    ctx2.stage_run(layer)
+    ctx2.stage_head()
+    ctx2.stage_exit(full_head=False)
+    assert np.array_equal(np.stack([ctx2.logits(i) for i in range(len(PROMPT))]), peek)
+
+
 def test_exit_without_head_then_seq_rm(tiny):
     model, ref = tiny
     ctx = make_ctx(model)

@@ -60,6 +60,9 @@ llama_specee_stage_run = _bind(
      ctypes.POINTER(ctypes.c_float)],
     ctypes.c_int32)
 
+# int32_t llama_specee_stage_head(struct llama_context * ctx);
+llama_specee_stage_head = _bind("llama_specee_stage_head", [_ctx_p], ctypes.c_int32)
+
 # int32_t llama_specee_stage_exit(struct llama_context * ctx, bool full_head);
 llama_specee_stage_exit = _bind("llama_specee_stage_exit", [_ctx_p, ctypes.c_bool],
                                 ctypes.c_int32)

@@ -279,6 +279,12 @@ class Context:
                               f"(layer {self.stage_layer}): {_last_error()}")
         return out
 
+    def stage_head(self) -> None:
+        """Full logits at the current layer (read with ``logits``); the stage stays open."""
+        rc = _ffi.llama_specee_stage_head(self.ptr)
+        if rc != 0:
+            raise DecodeError(f"llama_specee_stage_head returned {rc}: {_last_error()}")
+
     def stage_exit(self, full_head: bool = True) -> None:
         """Exit at the current layer: fill the skipped layers' K/V; logits if ``full_head``."""
         rc = _ffi.llama_specee_stage_exit(self.ptr, full_head)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
 from ..bindings import Context, Model
-from ..config import LoadConfig, SamplingConfig
+from ..config import EEConfig, LoadConfig, SamplingConfig
 from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
 from ..models.gguf_info import read_gguf_info
 from ..models.registry import resolve_model
@@ -17,7 +17,8 @@ from .sequence import Sequence
 from .steps import Stats, Step, stream
 
 Prompt = str | list[dict]
-MODES = ("plain",)
+MODES = ("plain", "ee")
+BUNDLE_DIR = Path(__file__).resolve().parent.parent / "bundles"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LLM:
         self.tgt = _Loaded(target_path, config)
         self.dft = _Loaded(draft_path, config) if draft_path is not None else None
         self._template: ChatTemplate | None = None
+        self._bundles: dict = {}
 
     @property
     def model(self) -> Model:
@@ -96,9 +98,53 @@ class LLM:
         # The template writes BOS itself where the model wants one.
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
+    def predictors(self, ee: EEConfig):
+        """The exit predictors for this target and provider (checked against the target)."""
+        from ..ee.predictor import Predictors
+        from ..models.pull import file_sha256
+
+        sha = self._bundles.get("sha") or file_sha256(self.model.path)
+        self._bundles["sha"] = sha
+        path = Path(ee.predictors) if ee.predictors else BUNDLE_DIR / f"{sha[:16]}.{ee.provider}.npz"
+        if path not in self._bundles:
+            if not ee.predictors and not path.is_file():
+                raise SpeceeError(
+                    f"no shipped exit predictors for {self.model.path.name} with the "
+                    f"{ee.provider} provider; run specee-cpp calibrate and pass --predictors")
+            pred = Predictors.load(path)
+            pred.check_target(sha, self.model.n_layer, self.model.path)
+            if pred.k != ee.k:
+                raise SpeceeError(f"predictor bundle {path.name} uses k={pred.k}, not k={ee.k}")
+            self._bundles[path] = pred
+        return self._bundles[path]
+
+    def _ee_steps(self, tokens: list[int], sampling: SamplingConfig, ee: EEConfig):
+        from ..ee.candidates import DraftCandidates, NgramCandidates
+        from ..ee.decode import generate_ee
+        from ..ee.scheduler import Scheduler
+
+        if not sampling.greedy:
+            raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
+                              f"got temperature {sampling.temperature}")
+        if ee.provider == "draft" and self.dft is None:
+            raise SpeceeError("the draft provider needs a draft model (--draft)")
+        pred = self.predictors(ee)
+        if pred.meta.get("provider") != ee.provider:
+            raise SpeceeError(f"predictor bundle was fitted with the {pred.meta.get('provider')} "
+                              f"provider, not {ee.provider}")
+        if ee.provider == "draft":
+            provider = DraftCandidates(self.dft.seq, k=ee.k)
+        else:
+            provider = NgramCandidates(k=ee.k)
+        rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
+        sched = Scheduler(n_layer=self.model.n_layer, offline=pred.meta.get("offline", pred.layers),
+                          allowed=set(pred.layers), exit_rate=rates)
+        threshold = pred.threshold if ee.threshold is None else ee.threshold
+        return generate_ee(self.tgt.seq, tokens, provider, pred, sched, threshold, rule=ee.rule)
+
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
-               chat: bool = True, mode: str = "plain") -> Iterator[Step]:
+               chat: bool = True, mode: str = "plain", ee: EEConfig = EEConfig()) -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
         carries ``finish_reason`` and ``stats``."""
         if mode not in MODES:
@@ -110,7 +156,10 @@ class LLM:
             raise ContextOverflowError(
                 f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceed the context "
                 f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
-        steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
+        if mode == "ee":
+            steps = self._ee_steps(tokens, sampling, ee)
+        else:
+            steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
         return stream(steps, piece=self.model.token_to_piece, is_eog=self.model.is_eog,
                       max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop))
 

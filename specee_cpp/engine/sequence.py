@@ -57,6 +57,20 @@ class Sequence:
             return np.stack([self.ctx.logits(j) for j in range(len(tokens))])
         return self.ctx.logits(-1)
 
+    def begin_staged(self, tokens: list[int], all_logits: bool = False) -> None:
+        """Start a staged decode of ``tokens`` after the cached ones; the caller runs the
+        layers (Context.stage_*). The cells are allocated now, so ``tokens`` counts them;
+        ``abort_staged`` undoes both."""
+        self._batch.set(tokens, len(self.tokens), output_last_only=not all_logits)
+        self.ctx.stage_begin(self._batch)
+        self.tokens.extend(tokens)
+
+    def abort_staged(self, n_tokens: int) -> None:
+        """Drop an unfinished staged decode of the last ``n_tokens`` (open, or already
+        aborted by a failed segment)."""
+        self.ctx.stage_abort()
+        self.rewind(len(self.tokens) - n_tokens)
+
     def prefill(self, prompt: list[int]) -> np.ndarray:
         """Make the cache hold exactly ``prompt``, reusing the longest cached prefix.
 

@@ -60,6 +60,19 @@ def sha256_file(path: Path, progress: Progress = _noop, desc: str = "verifying")
     return h.hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a model file: from its `.verified` stamp when the file is unchanged since
+    pull checked it, computed otherwise."""
+    path = Path(path)
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+        if _stamp_matches(path, stamp["sha256"]):
+            return stamp["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    return sha256_file(path)
+
+
 def is_verified(entry: ModelEntry) -> bool:
     """True if the local file exists and was verified against the registry since it last changed."""
     return entry.local_path.is_file() and _stamp_matches(entry.local_path, entry.sha256)

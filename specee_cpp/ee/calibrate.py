@@ -1,0 +1,228 @@
+"""Calibration: record probes at every layer on dev prompts, label them, fit the predictors,
+profile where exits happen and write the bundle with its offline schedule.
+
+Per prompt: greedy generation at full depth gives the continuation; the provider is run
+along it for the candidates; then the continuation is decoded again in one staged batch
+(teacher forcing), running layer by layer with the candidates probed and the full head
+computed at each calibrated layer. The residual at layer l of a token depends only on the
+layers below l, so these probes and argmaxes are exactly those of a sequential decode.
+Each prompt's record is saved as it is made: a stopped calibration resumes where it was.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..engine.llm import LLM
+from ..engine.plain import generate_plain
+from ..errors import SpeceeError
+from ..models.pull import file_sha256
+from .candidates import CandidateProvider
+from .features import PAD_GAP, features, softmax
+from .predictor import Predictors, stack, train_mlp
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    n_tokens: int = 48          # continuation length per prompt
+    min_layer: int = 0          # first calibrated layer (0: n_layer // 2)
+    k: int = 4
+    val_frac: float = 0.2       # last prompts held out for the validation report
+    hidden: int = 128
+    epochs: int = 60
+    threshold: float = 0.5
+    prev_gaps: tuple[int, ...] = (1, 2, 3)  # previous-probe distances the delta feature sees
+    seed: int = 0
+
+
+def load_prompts(path: Path) -> list[str]:
+    """First turns of a Spec-Bench style JSONL file; a bad line is reported by number."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpeceeError(f"prompt file not found: {path}")
+    prompts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            turn = rec["turns"][0]
+            if not isinstance(turn, str) or not turn:
+                raise ValueError("empty first turn")
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise SpeceeError(f"{path}:{i}: not a prompt record ({e})") from None
+        prompts.append(turn)
+    if not prompts:
+        raise SpeceeError(f"no prompts in {path}")
+    return prompts
+
+
+def collect_one(llm: LLM, provider: CandidateProvider, prompt: list[int], layers: list[int],
+                n_tokens: int, k: int) -> dict:
+    """Probes and argmax at ``layers`` along the greedy continuation of ``prompt``."""
+    seq = llm.tgt.seq
+    gen = []
+    for step in generate_plain(seq, prompt, lambda lg: int(np.argmax(lg))):
+        if llm.model.is_eog(step.token) or len(gen) == n_tokens:
+            break
+        gen.append(step.token)
+    if len(gen) < 2:
+        return {}
+    provider.reset(prompt)
+    cand = np.zeros((len(gen), k), dtype=np.int32)
+    n_cand = np.zeros(len(gen), dtype=np.int32)
+    for i, t in enumerate(gen):
+        c = provider.propose()[:k]
+        n_cand[i] = len(c)
+        cand[i, :len(c)] = c
+        cand[i, len(c):] = c[0] if len(c) else 0
+        provider.accept(t)
+    inputs = [prompt[-1]] + gen[:-1]
+    ctx = seq.ctx
+    seq.rewind(len(prompt) - 1)
+    seq.begin_staged(inputs, all_logits=True)
+    try:
+        probes = np.zeros((len(layers), len(gen), k), dtype=np.float32)
+        argmax = np.zeros((len(layers), len(gen)), dtype=np.int32)
+        for j, layer in enumerate(layers):
+            probes[j] = ctx.stage_run(layer, cand)
+            ctx.stage_head()
+            argmax[j] = [int(np.argmax(ctx.logits(i))) for i in range(len(gen))]
+        ctx.stage_run(llm.model.n_layer)
+        final = np.array([int(np.argmax(ctx.logits(i))) for i in range(len(gen))], dtype=np.int32)
+    except BaseException:
+        seq.abort_staged(len(inputs))
+        raise
+    return {"probes": probes, "argmax": argmax, "final": final, "gen": np.array(gen, np.int32),
+            "cand": cand, "n_cand": n_cand}
+
+
+def masked(probes: np.ndarray, n_cand: np.ndarray) -> np.ndarray:
+    """Probe logits with the filler entries of short candidate lists replaced by padding."""
+    out = probes.astype(np.float64).copy()
+    k = probes.shape[-1]
+    for c in range(1, k):  # same padding as features.pad_logits applies at decoding time
+        rows = n_cand == c
+        if rows.any():
+            low = out[..., rows, :c].min(axis=-1, keepdims=True) - PAD_GAP
+            out[..., rows, c:] = low
+    return out
+
+
+def training_arrays(rec: dict, layers: list[int], j: int, k: int, gaps) -> tuple:
+    """Features and labels at layer index j of one record, for a first probe and for each
+    previous-probe distance in ``gaps`` (delta features as the scheduler will see them)."""
+    ok = rec["n_cand"] > 0
+    lg = masked(rec["probes"], rec["n_cand"])[:, ok]
+    label = (rec["argmax"][j, ok] == rec["final"][ok]).astype(np.float64)
+    xs, ys = [features(lg[j], None, k)[0]], [label]
+    for g in gaps:
+        if layers[j] - g in layers:
+            jp = layers.index(layers[j] - g)
+            xs.append(features(lg[j], softmax(lg[jp]), k)[0])
+            ys.append(label)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def simulate_exits(pred: Predictors, rec: dict, layers: list[int], threshold: float,
+                   rule: str = "argmax") -> np.ndarray:
+    """Exit layer of every token when all calibrated layers are probed (-1: no exit), and
+    whether it emitted the full-depth token."""
+    ok = rec["n_cand"] > 0
+    lg = masked(rec["probes"], rec["n_cand"])
+    exits = np.full(len(rec["final"]), -1)
+    correct = np.zeros(len(rec["final"]), dtype=bool)
+    for t in np.nonzero(ok)[0]:
+        prev = None
+        cands = rec["cand"][t, :rec["n_cand"][t]]
+        for j, layer in enumerate(layers):
+            x, prev = features(lg[j, t], prev, pred.k)
+            if pred.prob(layer, x) <= threshold:
+                continue
+            tok = int(cands[int(np.argmax(lg[j, t][:len(cands)]))]) if rule == "candidate" \
+                else int(rec["argmax"][j, t])
+            if tok in cands:
+                exits[t], correct[t] = layer, tok == rec["final"][t]
+                break
+    return np.stack([exits, correct])
+
+
+def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
+              cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
+    """Run the whole calibration; writes the bundle to ``out`` and returns the report."""
+    n_layer = llm.model.n_layer
+    min_layer = cfg.min_layer or n_layer // 2
+    if not 1 <= min_layer < n_layer - 1:
+        raise SpeceeError(f"min_layer {min_layer} out of range [1, {n_layer - 1})")
+    layers = list(range(min_layer, n_layer - 1))
+    out = Path(out)
+    target_sha = file_sha256(llm.model.path)
+    key = hashlib.sha256(json.dumps([target_sha, provider.name, layers, cfg.n_tokens, cfg.k,
+                                     prompts]).encode()).hexdigest()[:12]
+    work = out.with_name(out.name + f".work-{key}")
+    work.mkdir(parents=True, exist_ok=True)
+    records = []
+    for i, text in enumerate(prompts):
+        f = work / f"{i:05d}.npz"
+        if not f.exists():
+            rec = collect_one(llm, provider, llm.prompt_tokens(text), layers, cfg.n_tokens, cfg.k)
+            tmp = work / f"{i:05d}.partial.npz"
+            np.savez(tmp, **rec) if rec else np.savez(tmp, empty=np.zeros(0))
+            tmp.replace(f)  # a record appears only once complete
+        with np.load(f) as z:
+            rec = {name: z[name] for name in z.files}
+        if "final" in rec:
+            records.append(rec)
+        if progress:
+            progress("collecting", i + 1, len(prompts))
+    if len(records) < 2:
+        raise SpeceeError(f"calibration collected {len(records)} usable prompts; need at least 2")
+
+    n_val = max(1, int(len(records) * cfg.val_frac))
+    train, val = records[:-n_val], records[-n_val:]
+    fitted, report_layers = [], {}
+    for j, layer in enumerate(layers):
+        X, y = zip(*(training_arrays(r, layers, j, cfg.k, cfg.prev_gaps) for r in train))
+        X, y = np.concatenate(X), np.concatenate(y)
+        fitted.append(train_mlp(X, y, hidden=cfg.hidden, epochs=cfg.epochs, seed=cfg.seed + j))
+        if progress:
+            progress("training", j + 1, len(layers))
+    meta = {"target_name": llm.model.path.name, "target_sha256": target_sha, "n_layer": n_layer,
+            "provider": provider.name, "calibration": asdict(cfg),
+            "trained_on": f"{len(train)} prompts (dev data)", "created": time.strftime("%Y-%m-%d")}
+    pred = stack(layers, fitted, cfg.k, cfg.threshold, meta)
+
+    # validation: per-layer precision/recall of the predictors, and where exits happen
+    for j, layer in enumerate(layers):
+        X, y = zip(*(training_arrays(r, layers, j, cfg.k, ()) for r in val))
+        X, y = np.concatenate(X), np.concatenate(y)
+        fire = pred.prob(layer, X) > cfg.threshold
+        tp = float((fire & (y > 0)).sum())
+        report_layers[layer] = {"precision": tp / max(fire.sum(), 1), "recall": tp / max(y.sum(), 1),
+                                "positive_rate": float(y.mean()) if len(y) else 0.0}
+    sims = np.concatenate([simulate_exits(pred, r, layers, cfg.threshold) for r in val], axis=1)
+    exits, correct = sims[0], sims[1].astype(bool)
+    n_tok = len(exits)
+    rate = {layer: float((exits == layer).sum()) / n_tok for layer in layers}
+    positive = [r for r in rate.values() if r > 0]
+    mean_rate = float(np.mean(positive)) if positive else 0.0
+    offline = [layer for layer, r in rate.items() if r > 0 and r >= mean_rate]
+    pred.meta.update(offline=offline, exit_rate=rate)
+    pred.save(out)
+    report = {
+        "bundle": str(out), "layers": layers, "per_layer": report_layers, "offline": offline,
+        "exit_rate": rate,
+        "validation_tokens": n_tok, "exit_ratio": float((exits >= 0).mean()),
+        "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,
+        "mean_exit_layer": float(exits[exits >= 0].mean()) if (exits >= 0).any() else None,
+    }
+    out.with_suffix(".report.json").write_text(json.dumps(report, indent=1))
+    return report

@@ -1,0 +1,89 @@
+"""Early-exit decoding (SpecEE) on the staged-decode patch.
+
+Per token: the provider proposes candidates; the target runs layer segments up to each
+scheduled layer, where the candidates' logits are probed and the layer's predictor scores
+them. When it fires, SpecEE's rule checks that the layer's full-vocabulary argmax is one of
+the candidates (a head computed at that layer, stage kept open); if so the token exits there
+and the skipped layers' K/V are filled from the exit state, otherwise the target goes on.
+The faster ``candidate`` rule skips that head and emits the top probed candidate.
+Greedy only: early exit changes the distribution, so sampling is not offered here.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+
+from ..engine.sequence import Sequence
+from ..engine.steps import Step
+from .candidates import CandidateProvider
+from .features import features
+from .predictor import Predictors
+from .scheduler import Scheduler
+
+RULES = ("argmax", "candidate")
+
+
+def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
+                predictors: Predictors, scheduler: Scheduler, threshold: float,
+                rule: str = "argmax") -> Iterator[Step]:
+    ctx = seq.ctx
+    n_layer = ctx.model.n_layer
+    k = predictors.k
+    clock = time.perf_counter
+
+    t0 = clock()
+    logits = seq.prefill(prompt)
+    provider.reset(prompt)
+    token, exit_layer = int(np.argmax(logits)), None
+    timings = {"prefill": clock() - t0}
+    while True:
+        yield Step(token=token, source="exit" if exit_layer is not None else "target",
+                   exit_layer=exit_layer, timings=timings)
+        t0 = clock()
+        provider.accept(token)
+        cand = provider.propose()
+        t_draft = clock() - t0
+        layers = scheduler.layers() if len(cand) else []
+        t_layers = t_probe = t_head = 0.0
+        exit_layer, nxt, prev, finished = None, -1, None, False
+        seq.begin_staged([token])
+        try:
+            for layer in layers:
+                t0 = clock()
+                probe = ctx.stage_run(layer, cand[None, :])[0]
+                t1 = clock()
+                x, prev = features(probe, prev, k)
+                fire = predictors.prob(layer, x) > threshold
+                t2 = clock()
+                t_layers += t1 - t0
+                t_probe += t2 - t1
+                if not fire:
+                    continue
+                if rule == "candidate":
+                    nxt = int(cand[int(np.argmax(probe))])
+                else:
+                    ctx.stage_head()
+                    nxt = int(np.argmax(ctx.logits(-1)))
+                    if nxt not in cand:  # the layer is not settled on a candidate: go on
+                        t_head += clock() - t2
+                        continue
+                ctx.stage_exit(full_head=False)
+                finished = True
+                t_head += clock() - t2
+                exit_layer = layer
+                break
+            if exit_layer is None:
+                t0 = clock()
+                ctx.stage_run(n_layer)
+                finished = True
+                nxt = int(np.argmax(ctx.logits(-1)))
+                t_layers += clock() - t0
+        except BaseException:
+            if not finished:
+                seq.abort_staged(1)  # the cache must not keep a half-decoded token
+            raise
+        scheduler.record(exit_layer)
+        token = nxt
+        timings = {"draft": t_draft, "layers": t_layers, "probe": t_probe, "head": t_head}

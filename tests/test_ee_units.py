@@ -1,0 +1,99 @@
+"""Pure numpy pieces of early exit: features, predictor training, scheduler, providers."""
+import numpy as np
+import pytest
+
+from specee_cpp.ee.calibrate import load_prompts, masked
+from specee_cpp.ee.candidates import NgramCandidates, top_k
+from specee_cpp.ee.features import PAD_GAP, features, pad_logits
+from specee_cpp.ee.predictor import Predictors, stack, train_mlp
+from specee_cpp.ee.scheduler import Scheduler
+from specee_cpp.errors import SpeceeError
+
+
+def test_features_match_hand_computation():
+    lg = np.array([2.0, 1.0, 0.0, -1.0])
+    x, sm = features(lg, None, 4)
+    e = np.exp(lg - 2.0)
+    want_sm = e / e.sum()
+    np.testing.assert_allclose(x[:4], lg)
+    np.testing.assert_allclose(x[4:8], want_sm)
+    np.testing.assert_allclose(x[8:], want_sm - 0.25)
+    x2, _ = features(lg + np.array([0, 1, 0, 0]), sm, 4)
+    np.testing.assert_allclose(x2[8:], x2[4:8] - want_sm)
+
+
+def test_padding_of_short_candidate_lists():
+    p = pad_logits(np.array([1.0, 3.0]), 4)
+    assert p.tolist() == [1.0, 3.0, 1.0 - PAD_GAP, 1.0 - PAD_GAP]
+    # calibration pads stored probes the same way decoding pads live ones
+    probes = np.array([[[1.0, 3.0, 9.0, 9.0], [1.0, 2.0, 3.0, 4.0]]])
+    out = masked(probes, np.array([2, 4]))
+    np.testing.assert_allclose(out[0, 0], pad_logits(np.array([1.0, 3.0]), 4))
+    np.testing.assert_allclose(out[0, 1], probes[0, 1])
+
+
+def test_training_recovers_a_separable_rule():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((4000, 12))
+    y = (X[:, 0] - X[:, 5] > 0.3).astype(float)
+    fit = train_mlp(X[:3000], y[:3000], hidden=32, epochs=100)
+    pred = stack([7], [fit], k=4, threshold=0.5, meta={})
+    acc = ((pred.prob(7, X[3000:]) > 0.5) == (y[3000:] > 0)).mean()
+    assert acc > 0.95
+
+
+def test_bundle_roundtrip_and_refusal(tmp_path):
+    rng = np.random.default_rng(1)
+    fit = train_mlp(rng.standard_normal((64, 12)), rng.integers(0, 2, 64), hidden=8, epochs=1)
+    pred = stack([5, 6], [fit, fit], k=4, threshold=0.7,
+                 meta={"target_sha256": "ab" * 32, "n_layer": 8, "target_name": "m.gguf"})
+    path = tmp_path / "b.npz"
+    pred.save(path)
+    back = Predictors.load(path)
+    assert back.layers == [5, 6] and back.threshold == 0.7 and back.k == 4
+    x = rng.standard_normal(12)
+    np.testing.assert_allclose(back.prob(6, x), pred.prob(6, x), rtol=1e-5)
+    back.check_target("ab" * 32, 8)
+    with pytest.raises(SpeceeError, match="fitted on m.gguf"):
+        back.check_target("cd" * 32, 8, "other.gguf")
+    (tmp_path / "junk.npz").write_bytes(b"nope")
+    with pytest.raises(SpeceeError, match="not a predictor bundle"):
+        Predictors.load(tmp_path / "junk.npz")
+
+
+def test_scheduler_rules():
+    s = Scheduler(n_layer=28, offline=[15, 21, 27, 30])
+    assert s.layers() == [15, 21]                      # never the last layer or beyond
+    s.record(24)
+    s.record(None)                                     # no exit: nothing to remember
+    assert s.layers() == [15, 21, 22, 24, 26]
+    for e in (10, 11, 12, 13, 14):
+        s.record(e)
+    assert 24 not in s.layers() and 8 in s.layers()    # only the last 5 exits count
+    s2 = Scheduler(n_layer=28, offline=[15, 21], allowed={21})
+    assert s2.layers() == [21]
+    # cost check: probing 15 saves 0.01 * 13 layers * 1 ms < 0.5 ms probe cost
+    s3 = Scheduler(n_layer=28, offline=[15, 21], exit_rate={15: 0.01, 21: 0.3},
+                   layer_cost=1e-3, probe_cost=5e-4)
+    assert s3.layers() == [21]
+
+
+def test_ngram_candidates():
+    p = NgramCandidates(k=3, n_max=2)
+    p.reset([1, 2, 3, 1, 2, 4, 1, 2])
+    # after "1 2": seen followed by 4 (most recent) then 3
+    assert p.propose().tolist() == [4, 3]
+    p.accept(5)
+    assert p.propose().tolist() == []
+    p.accept(1)
+    assert p.propose().tolist() == [2]
+    assert top_k(np.array([0.1, 5.0, 3.0, 4.0]), 2).tolist() == [1, 3]
+
+
+def test_prompt_file_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"turns": ["hi"]}\n{"turns": []}\n')
+    with pytest.raises(SpeceeError, match="p.jsonl:2"):
+        load_prompts(f)
+    with pytest.raises(SpeceeError, match="not found"):
+        load_prompts(tmp_path / "none.jsonl")
