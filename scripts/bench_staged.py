@@ -29,6 +29,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from _report import write_section
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n" * 4
 PROBE_LAYERS_28 = [13, 15, 17, 19, 21, 23, 25, 26]
@@ -207,21 +209,12 @@ def write_report(cmd: str, table: str, times: dict, m, ns) -> None:
     (docs / "bench_staged.json").write_text(json.dumps(
         {"command": cmd, "model": str(m.path), "n_layer": m.n_layer, "threads": ns.threads,
          "tokens": ns.tokens, "rounds": ns.rounds, "seconds_per_token": times}, indent=1))
-    section = (f"## Staged decode (patch 0002): probes and early exit\n\n"
-               f"`{cmd}` on {m.path.name} ({m.n_layer} layers), {ns.threads} threads, "
-               f"{ns.tokens} single-token decodes per configuration and round, median of "
-               f"{ns.rounds} interleaved rounds; `plain` and the staged rows run in one process "
-               f"on the patched build, `patched` and `stock` in separate processes with the "
-               f"same code. Raw numbers: `docs/bench_staged.json`.\n\n{table}\n")
-    path = docs / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = text.find("## Staged decode (patch 0002)")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_section("Staged decode (patch 0002): probes and early exit",
+                  f"`{cmd}` on {m.path.name} ({m.n_layer} layers), {ns.threads} threads, "
+                  f"{ns.tokens} single-token decodes per configuration and round, median of "
+                  f"{ns.rounds} interleaved rounds; `plain` and the staged rows run in one process "
+                  f"on the patched build, `patched` and `stock` in separate processes with the "
+                  f"same code. Raw numbers: `docs/bench_staged.json`.\n\n{table}\n")
 
 
 if __name__ == "__main__":

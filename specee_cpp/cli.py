@@ -172,7 +172,8 @@ def calibrate(
     draft: Optional[str] = OptDraft,
     provider: str = OptProvider,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Bundle to write (.npz)."),
-    n_prompts: int = typer.Option(0, "--n-prompts", help="Use the first N prompts (0: all)."),
+    n_prompts: int = typer.Option(0, "--n-prompts",
+                                  help="Use N prompts spread evenly over the file (0: all)."),
     n_tokens: int = typer.Option(48, "--n-tokens", help="Continuation tokens per prompt."),
     min_layer: int = typer.Option(0, "--min-layer", help="First calibrated layer (0: half)."),
     threshold: float = typer.Option(0.5, "--threshold", help="Exit threshold stored in the bundle."),
@@ -185,7 +186,8 @@ def calibrate(
     from .models.pull import file_sha256
 
     texts = load_prompts(prompts)
-    texts = texts[:n_prompts] if n_prompts else texts
+    if 0 < n_prompts < len(texts):  # evenly spread: every category of the file is seen
+        texts = [texts[i * len(texts) // n_prompts] for i in range(n_prompts)]
     cfg = CalibConfig(n_tokens=n_tokens, min_layer=min_layer, threshold=threshold)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
         if provider == "draft":

@@ -23,6 +23,7 @@ from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
 from ..models.pull import file_sha256
+from ..paths import home
 from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
 from .predictor import Predictors, stack, train_mlp
@@ -165,16 +166,19 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     layers = list(range(min_layer, n_layer - 1))
     out = Path(out)
     target_sha = file_sha256(llm.model.path)
-    key = hashlib.sha256(json.dumps([target_sha, provider.name, layers, cfg.n_tokens, cfg.k,
-                                     prompts]).encode()).hexdigest()[:12]
-    work = out.with_name(out.name + f".work-{key}")
+    key = hashlib.sha256(json.dumps([target_sha, provider.name, layers, cfg.n_tokens,
+                                     cfg.k]).encode()).hexdigest()[:12]
+    # one record per prompt, named by the prompt: a stopped run, or one on another subset of
+    # the same prompts, reuses what was collected
+    work = home() / "calibration" / f"{provider.name}-{key}"
     work.mkdir(parents=True, exist_ok=True)
     records = []
     for i, text in enumerate(prompts):
-        f = work / f"{i:05d}.npz"
+        name = hashlib.sha256(text.encode()).hexdigest()[:16]
+        f = work / f"{name}.npz"
         if not f.exists():
             rec = collect_one(llm, provider, llm.prompt_tokens(text), layers, cfg.n_tokens, cfg.k)
-            tmp = work / f"{i:05d}.partial.npz"
+            tmp = work / f"{name}.partial.npz"
             np.savez(tmp, **rec) if rec else np.savez(tmp, empty=np.zeros(0))
             tmp.replace(f)  # a record appears only once complete
         with np.load(f) as z:
@@ -218,7 +222,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     pred.meta.update(offline=offline, exit_rate=rate)
     pred.save(out)
     report = {
-        "bundle": str(out), "layers": layers, "per_layer": report_layers, "offline": offline,
+        "bundle": str(out), "work": str(work), "layers": layers, "per_layer": report_layers, "offline": offline,
         "exit_rate": rate,
         "validation_tokens": n_tok, "exit_ratio": float((exits >= 0).mean()),
         "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,

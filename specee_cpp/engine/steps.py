@@ -12,7 +12,6 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
-PHASES = ("prefill", "decode", "draft", "verify", "probe")
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,8 @@ class Step:
     exit_layer: int | None = None   # layer the target exited at, None for full depth
     n_drafted: int = 0              # tokens drafted in the step that produced this token
     n_accept: int = 0               # of which accepted
-    timings: dict[str, float] = field(default_factory=dict)  # seconds since the previous step
+    # seconds spent producing this token, by phase: prefill, decode, draft, layers, probe, head
+    timings: dict[str, float] = field(default_factory=dict)
     text: str = ""
     finish_reason: str | None = None  # stop | length | stop_string
     stats: Stats | None = None
