@@ -68,7 +68,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default="plain,ee-draft,ee-ngram")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--from-json", help="re-render the tables of an earlier run's JSON")
     ns = ap.parse_args()
+    if ns.from_json:
+        import shlex
+
+        doc = json.loads(Path(ns.from_json).read_text())
+        old = ap.parse_args(shlex.split(doc["command"])[2:])
+        names = [k for k in doc["raw"][0] if k != "prompt_index"]
+        report_and_write(doc["raw"], names, categories_of(Path(old.prompts)), old,
+                         doc["prompt_indices"], doc["command"])
+        return 0
 
     from specee_cpp.config import EEConfig, LoadConfig
     from specee_cpp.ee.calibrate import load_prompts
@@ -100,6 +110,17 @@ def main() -> int:
             raw.append(row)
             print(f"prompt {j + 1}/{len(idx)}", file=sys.stderr)
 
+    report_and_write(raw, names, categories_of(Path(ns.prompts)), ns, idx,
+                     "python scripts/bench_ee.py " + " ".join(sys.argv[1:]))
+    return 0
+
+
+def categories_of(path: Path) -> list[str]:
+    return [json.loads(line).get("category", "?") for line in path.read_text().splitlines()
+            if line.strip()]
+
+
+def table_for(raw: list[dict], names: list[str]) -> str:
     def total(name, key):
         return sum(r[name]["stats"][key] for r in raw)
 
@@ -115,7 +136,7 @@ def main() -> int:
             for k, v in r[name]["stats"]["exit_layers"].items():
                 exits[int(k)] = exits.get(int(k), 0) + v
         n_exit = sum(exits.values())
-        mean_l = sum(k * v for k, v in exits.items()) / n_exit if n_exit else float("nan")
+        mean_l = f"{sum(k * v for k, v in exits.items()) / n_exit:.1f}" if n_exit else "-"
         agree = f"{np.mean([r[name]['agreement'] for r in raw]):.3f}"
         if name == "plain":
             ident = pref = "-"
@@ -125,21 +146,43 @@ def main() -> int:
         split = " / ".join(f"{1e3 * sum(r[name]['stats']['timings'].get(p, 0) for r in raw) / n_gen:.1f}"
                            for p in ("draft", "layers", "probe", "head"))
         rows.append(f"| {name} | {tps:.1f} | {tps / plain_tps:.3f} | {n_exit / n_gen:.2f} | "
-                    f"{mean_l:.1f} | {agree} | {ident} | {pref} | {split} |")
-    table = "\n".join(rows)
+                    f"{mean_l} | {agree} | {ident} | {pref} | {split} |")
+    return "\n".join(rows)
+
+
+def category_table(raw: list[dict], names: list[str], cats: list[str]) -> str:
+    """Speed vs plain per Spec-Bench category (tokens/s summed within the category)."""
+    groups: dict[str, list[dict]] = {}
+    for r in raw:
+        groups.setdefault(cats[r["prompt_index"]], []).append(r)
+    others = [n for n in names if n != "plain"]
+    rows = ["| category | prompts | plain tok/s | " + " | ".join(others) + " |",
+            "|---|---|---|" + "---|" * len(others)]
+    for cat, rs in sorted(groups.items()):
+        def tps(name):
+            return sum(r[name]["stats"]["n_gen"] for r in rs) / sum(r[name]["stats"]["decode_s"] for r in rs)
+        rows.append(f"| {cat} | {len(rs)} | {tps('plain'):.1f} | "
+                    + " | ".join(f"{tps(n) / tps('plain'):.3f}" for n in others) + " |")
+    return "\n".join(rows)
+
+
+def report_and_write(raw, names, cats, ns, idx, cmd) -> None:
+    table = table_for(raw, names)
+    per_cat = category_table(raw, names, cats)
     print(table)
+    print(per_cat)
     if not ns.no_write:
-        cmd = "python scripts/bench_ee.py " + " ".join(sys.argv[1:])
         (REPO / "docs" / "bench_ee.json").write_text(json.dumps(
-            {"command": cmd, "prompt_indices": idx, "raw": raw}, indent=None))
+            {"command": cmd, "names": names, "args": vars(ns), "prompt_indices": idx,
+             "raw": raw}, indent=None))
         section = (f"Early exit (SpecEE) vs plain, held-out Spec-Bench dev prompts\n\n"
                    f"`{cmd}`: {len(idx)} prompts of `spec_bench_dev.jsonl` not used by the "
                    f"calibration (`--n-prompts {ns.calib_prompts}`), chat template, greedy, "
                    f"{ns.max_tokens} new tokens, {ns.threads} threads, configurations "
                    f"interleaved prompt by prompt; decode tokens/s over all prompts. Raw: "
-                   f"`docs/bench_ee.json`. {time.strftime('%Y-%m-%d')}.\n\n{table}\n")
+                   f"`docs/bench_ee.json`. {time.strftime('%Y-%m-%d')}.\n\n{table}\n\n"
+                   f"Speed vs plain by category (same run):\n\n{per_cat}\n")
         write_section(*section.split("\n\n", 1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -49,8 +49,13 @@ def main() -> int:
     problems = read_problems()
     task_ids = [f"HumanEval/{i}" for i in range(lo, hi + 1)]
     configs = {"plain": ("plain", EEConfig()), "ee-ngram": ("ee", EEConfig(provider="ngram")),
-               "ee-draft": ("ee", EEConfig(provider="draft"))}
+               "ee-draft": ("ee", EEConfig(provider="draft")),
+               "ee-ngram-cand": ("ee", EEConfig(provider="ngram", rule="candidate")),
+               "ee-draft-cand": ("ee", EEConfig(provider="draft", rule="candidate"))}
     names = ns.configs.split(",")
+    for n in names:
+        if n not in configs:
+            raise SystemExit(f"unknown config {n!r}; valid: {', '.join(configs)}")
     out_dir = REPO / "docs" / "humaneval"
     out_dir.mkdir(parents=True, exist_ok=True)
     samples = {n: [] for n in names}

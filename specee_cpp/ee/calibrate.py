@@ -156,6 +156,29 @@ def simulate_exits(pred: Predictors, rec: dict, layers: list[int], threshold: fl
     return np.stack([exits, correct])
 
 
+def measure_costs(llm: LLM, prompt: list[int], probe_layers: list[int], n: int = 8) -> dict:
+    """Seconds per layer and per probe on this machine, from single-token staged decodes
+    (one segment to the end vs. the same with ``probe_layers`` probed), for the scheduler's
+    cost check."""
+    seq, ctx = llm.tgt.seq, llm.tgt.ctx
+    n_layer = llm.model.n_layer
+    seq.prefill(prompt)
+    base = len(seq.tokens)
+    cand = np.array([prompt[-4:]], dtype=np.int32)
+    times = {}
+    for kind in ("full", "probed", "full", "probed"):  # interleaved, second round kept
+        t0 = time.perf_counter()
+        for i in range(n):
+            seq.begin_staged([prompt[i % len(prompt)]])
+            for layer in (probe_layers if kind == "probed" else []):
+                ctx.stage_run(layer, cand)
+            ctx.stage_run(n_layer)
+        times[kind] = (time.perf_counter() - t0) / n
+        seq.rewind(base)
+    return {"layer_cost_s": times["full"] / n_layer,
+            "probe_cost_s": max(times["probed"] - times["full"], 0.0) / max(len(probe_layers), 1)}
+
+
 def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
               cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
     """Run the whole calibration; writes the bundle to ``out`` and returns the report."""
@@ -219,7 +242,8 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     positive = [r for r in rate.values() if r > 0]
     mean_rate = float(np.mean(positive)) if positive else 0.0
     offline = [layer for layer, r in rate.items() if r > 0 and r >= mean_rate]
-    pred.meta.update(offline=offline, exit_rate=rate)
+    pred.meta.update(offline=offline, exit_rate=rate,
+                     **measure_costs(llm, llm.prompt_tokens(prompts[0]), layers[::3]))
     pred.save(out)
     report = {
         "bundle": str(out), "work": str(work), "layers": layers, "per_layer": report_layers, "offline": offline,

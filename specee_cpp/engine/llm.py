@@ -138,7 +138,9 @@ class LLM:
             provider = NgramCandidates(k=ee.k)
         rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
         sched = Scheduler(n_layer=self.model.n_layer, offline=pred.meta.get("offline", pred.layers),
-                          allowed=set(pred.layers), exit_rate=rates)
+                          allowed=set(pred.layers), exit_rate=rates,
+                          layer_cost=pred.meta.get("layer_cost_s", 0.0),
+                          probe_cost=pred.meta.get("probe_cost_s", 0.0))
         threshold = pred.threshold if ee.threshold is None else ee.threshold
         return generate_ee(self.tgt.seq, tokens, provider, pred, sched, threshold, rule=ee.rule)
 
