@@ -46,7 +46,9 @@ OptSeed = typer.Option(0, "--seed", help="Random seed for sampling.")
 OptCtx = typer.Option(4096, "--n-ctx", help="Context window in tokens.")
 OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
-OptMode = typer.Option("plain", "--mode", help="Decoding strategy: plain or ee (early exit).")
+OptMode = typer.Option("plain", "--mode",
+                       help="Decoding strategy: plain, spec (draft then verify) or ee (early exit).")
+OptGamma = typer.Option(4, "--gamma", help="spec: tokens drafted per step (0: plain).")
 OptProvider = typer.Option("draft", "--provider", help="ee candidates: draft or ngram.")
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
@@ -80,6 +82,7 @@ def generate(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
+    gamma: int = OptGamma,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
@@ -88,7 +91,7 @@ def generate(
     ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         steps = llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
-                           mode=mode, ee=ee)
+                           mode=mode, ee=ee, gamma=gamma)
         pieces, tokens, stats = [], [], None
         for step in steps:
             if not as_json:
@@ -117,6 +120,7 @@ def chat(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
+    gamma: int = OptGamma,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
@@ -149,7 +153,7 @@ def chat(
             reply, stats = [], None
             try:
                 for step in llm.stream(history, max_tokens=max_tokens, sampling=sampling,
-                                       mode=mode, ee=ee):
+                                       mode=mode, ee=ee, gamma=gamma):
                     out.print(step.text, end="", markup=False, soft_wrap=True)
                     reply.append(step.text)
                     stats = step.stats or stats

@@ -14,10 +14,11 @@ from .chat_template import ChatTemplate
 from .plain import generate_plain
 from .sampling import make_sampler
 from .sequence import Sequence
+from .speculative import generate_spec
 from .steps import Stats, Step, stream
 
 Prompt = str | list[dict]
-MODES = ("plain", "ee")
+MODES = ("plain", "spec", "ee")
 BUNDLE_DIR = Path(__file__).resolve().parent.parent / "bundles"
 
 
@@ -69,7 +70,8 @@ class LLM:
         self.tgt = _Loaded(target_path, config)
         self.dft = _Loaded(draft_path, config) if draft_path is not None else None
         self._template: ChatTemplate | None = None
-        self._bundles: dict = {}
+        self._bundles: dict[Path, object] = {}   # loaded predictor bundles by path
+        self._target_sha: str | None = None      # hashed on first early-exit use
 
     @property
     def model(self) -> Model:
@@ -103,8 +105,9 @@ class LLM:
         from ..ee.predictor import Predictors
         from ..models.pull import file_sha256
 
-        sha = self._bundles.get("sha") or file_sha256(self.model.path)
-        self._bundles["sha"] = sha
+        if self._target_sha is None:
+            self._target_sha = file_sha256(self.model.path)
+        sha = self._target_sha
         path = Path(ee.predictors) if ee.predictors else BUNDLE_DIR / f"{sha[:16]}.{ee.provider}.npz"
         if path not in self._bundles:
             if not ee.predictors and not path.is_file():
@@ -146,13 +149,19 @@ class LLM:
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
-               chat: bool = True, mode: str = "plain", ee: EEConfig = EEConfig()) -> Iterator[Step]:
+               chat: bool = True, mode: str = "plain", ee: EEConfig = EEConfig(),
+               gamma: int = 4) -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
         carries ``finish_reason`` and ``stats``."""
         if mode not in MODES:
             raise SpeceeError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
         if max_tokens < 1:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
+        if mode == "spec":
+            if self.dft is None:
+                raise SpeceeError("mode spec needs a draft model (--draft)")
+            if not 0 <= gamma < self.config.n_batch:
+                raise SpeceeError(f"gamma must be in [0, {self.config.n_batch}), got {gamma}")
         tokens = self.prompt_tokens(prompt, chat=chat)
         if len(tokens) + max_tokens > self.tgt.ctx.n_ctx:
             raise ContextOverflowError(
@@ -160,6 +169,8 @@ class LLM:
                 f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
         if mode == "ee":
             steps = self._ee_steps(tokens, sampling, ee)
+        elif mode == "spec" and gamma > 0:
+            steps = generate_spec(self.tgt.seq, self.dft.seq, tokens, gamma, sampling)
         else:
             steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
         return stream(steps, piece=self.model.token_to_piece, is_eog=self.model.is_eog,

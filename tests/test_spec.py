@@ -1,0 +1,81 @@
+"""Speculative decoding: acceptance rule, greedy equivalence on a real model, and the output
+distribution under sampling on tiny models."""
+import numpy as np
+import pytest
+
+from specee_cpp.config import LoadConfig, SamplingConfig
+from specee_cpp.engine.llm import LLM
+from specee_cpp.engine.speculative import accept_drafts
+from specee_cpp.errors import SpeceeError
+from tiny_gguf import write_tiny_model
+
+PROMPTS = ["Write a Python function that reverses a string.",
+           "What is the capital of Italy? Answer in one sentence.",
+           "List three prime numbers and explain why they are prime.",
+           "Translate 'good morning' into French and Spanish.",
+           "def fib(n):"]
+
+
+def test_greedy_acceptance_rule():
+    p = np.eye(5)[[1, 2, 3, 4]]            # target argmax 1, 2, 3 after each prefix, bonus 4
+    rng = np.random.default_rng(0)
+    assert accept_drafts([1, 2, 3], [None] * 3, p, rng, True) == (3, 4)
+    assert accept_drafts([1, 0, 3], [None] * 3, p, rng, True) == (1, 2)
+    assert accept_drafts([0, 2, 3], [None] * 3, p, rng, True) == (0, 1)
+
+
+def test_rejection_sampling_gives_target_distribution():
+    """One drafted position: the emitted token (accepted draft or resample) is ~ p."""
+    rng = np.random.default_rng(1)
+    p = np.array([0.5, 0.2, 0.2, 0.1, 0.0])
+    q = np.array([0.1, 0.1, 0.3, 0.2, 0.3])
+    counts = np.zeros(5)
+    for _ in range(20000):
+        x = int(rng.choice(5, p=q))
+        n, tok = accept_drafts([x], [q], np.stack([p, np.full(5, 0.2)]), rng, False)
+        counts[x if n == 1 else tok] += 1
+    np.testing.assert_allclose(counts / counts.sum(), p, atol=0.015)
+
+
+@pytest.fixture(scope="module")
+def random_draft(small_model, tmp_path_factory):
+    """A random tiny model with SmolLM2's tokenizer: rejects often, exercising every path."""
+    path = tmp_path_factory.mktemp("draft") / "random-smol-draft.gguf"
+    return write_tiny_model(path, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+                            seed=7, vocab_from=small_model)
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "same"])
+def test_greedy_spec_equals_plain(small_model, random_draft, draft_kind):
+    draft = random_draft if draft_kind == "random" else small_model
+    with LLM(small_model, draft=draft, config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
+        for prompt in PROMPTS:
+            plain = llm.generate(prompt, max_tokens=40)
+            for gamma in (1, 3, 5):
+                spec = llm.generate(prompt, max_tokens=40, mode="spec", gamma=gamma)
+                assert spec.tokens == plain.tokens, (prompt, gamma)
+                st = spec.stats
+                assert st.n_drafted > 0 and 0 <= st.n_accept <= st.n_drafted
+                if draft_kind == "same":
+                    assert st.acceptance > 0.9
+
+
+def test_spec_sampling_matches_target_distribution(tmp_path):
+    """Second-token marginal under sampling: spec (random draft) vs plain, tiny models."""
+    tgt = write_tiny_model(tmp_path / "t.gguf", seed=11)
+    dft = write_tiny_model(tmp_path / "d.gguf", seed=12)
+    cfg = dict(temperature=1.0, top_k=6)
+    hist = {"plain": np.zeros(400), "spec": np.zeros(400)}
+    with LLM(tgt, draft=dft, config=LoadConfig(n_ctx=64, n_batch=16, n_threads=1)) as llm:
+        for seed in range(2000):
+            for mode in hist:
+                r = llm.generate("the cat", max_tokens=2, chat=False, mode=mode, gamma=3,
+                                 sampling=SamplingConfig(seed=seed, **cfg))
+                hist[mode][r.tokens[-1]] += 1
+    a, b = hist["plain"] / 2000, hist["spec"] / 2000
+    assert 0.5 * np.abs(a - b).sum() < 0.1
+
+
+def test_spec_errors(small_llm):
+    with pytest.raises(SpeceeError, match="needs a draft"):
+        small_llm.generate("hi", max_tokens=2, mode="spec")
