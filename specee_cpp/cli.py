@@ -225,6 +225,30 @@ def calibrate(
     err.print(f"[green]wrote[/green] {out}", soft_wrap=True)
 
 
+@app.command()
+def quantize(
+    src: str = typer.Argument(..., help="Model to quantize: registry name or .gguf path."),
+    types: str = typer.Option("Q8_0,Q4_K_M,IQ4_NL,Q3_K_M,Q2_K", "--types",
+                              help="Comma-separated llama.cpp types."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Default: the model cache."),
+    threads: int = OptThreads,
+) -> None:
+    """Make quantized variants of a model with llama.cpp's quantizer (the compression ladder)."""
+    from .models.quantize import parse_types, quantize as run_quantize
+    from .models.registry import resolve_model
+    from .paths import models_dir
+
+    path = resolve_model(src)
+    names = parse_types(types)
+    for i, qtype in enumerate(names, 1):
+        with err.status(f"[{i}/{len(names)}] quantizing {path.name} to {qtype}"):
+            out, warning = run_quantize(path, qtype, out_dir or models_dir(), threads)
+        if warning:
+            err.print(f"[yellow]note:[/yellow] {warning}", soft_wrap=True)
+        err.print(f"[green]ok[/green] {qtype}: {out} ({out.stat().st_size / 2**20:.0f} MiB)",
+                  soft_wrap=True)
+
+
 # ---- models ---------------------------------------------------------------------------------
 
 def _progress() -> Progress:

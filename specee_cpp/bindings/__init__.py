@@ -5,6 +5,6 @@
 (:class:`Model`, :class:`Context`, :class:`Batch`) that turn status codes into exceptions.
 Nothing outside this package touches ctypes.
 """
-from .llama import Batch, Context, Model, library_info
+from .llama import Batch, Context, Model, library_info, quantize_file
 
-__all__ = ["Batch", "Context", "Model", "library_info"]
+__all__ = ["Batch", "Context", "Model", "library_info", "quantize_file"]

@@ -309,3 +309,16 @@ class Context:
         if not ptr:
             raise SpeceeError("no open stage with a layer run")
         return np.ctypeslib.as_array(ptr, shape=(self._stage_n_tokens, self.model.n_embd)).copy()
+
+
+def quantize_file(src: Path, dst: Path, ftype: int, n_threads: int) -> None:
+    """llama.cpp's quantizer: write ``src`` re-encoded as llama_ftype ``ftype`` to ``dst``
+    (requantizing an already quantized model is allowed)."""
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = n_threads
+    params.allow_requantize = True
+    _LOG.clear()
+    rc = ll.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SpeceeError(f"quantizing {src} failed ({rc}): {_last_error()}")

@@ -1,0 +1,62 @@
+"""The quantization ladder: target variants made with llama.cpp's own quantizer.
+
+IQ4_NL (non-uniform 4-bit) is our counterpart of NF4. Requantizing is allowed, but going up
+in precision (say Q4_K_M -> Q8_0) gains no fidelity: the information lost by the first
+quantization is not restored.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..config import default_threads
+from ..errors import SpeceeError
+from .gguf_info import read_gguf_info
+
+# name -> (llama_ftype, approximate bits per weight)
+TYPES = {"F16": (1, 16.0), "Q8_0": (7, 8.5), "Q6_K": (18, 6.6), "Q5_K_M": (17, 5.7),
+         "Q4_K_M": (15, 4.9), "Q4_0": (2, 4.5), "IQ4_NL": (25, 4.5), "Q3_K_M": (12, 3.9),
+         "Q2_K": (10, 2.6)}
+_BITS_OF_FILE_TYPE = {"ALL_F32": 32.0, "MOSTLY_F16": 16.0, "MOSTLY_BF16": 16.0}
+
+
+def parse_types(spec: str) -> list[str]:
+    names = [t.strip().upper() for t in spec.split(",") if t.strip()]
+    bad = [t for t in names if t not in TYPES]
+    if bad or not names:
+        raise SpeceeError(f"unknown quantization type(s) {bad or spec!r}; valid: {', '.join(TYPES)}")
+    return names
+
+
+def source_bits(file_type: str) -> float | None:
+    if file_type in _BITS_OF_FILE_TYPE:
+        return _BITS_OF_FILE_TYPE[file_type]
+    quant = file_type.removeprefix("MOSTLY_")
+    return TYPES[quant][1] if quant in TYPES else None
+
+
+def quantize(src: Path, qtype: str, out_dir: Path, n_threads: int = 0) -> tuple[Path, str | None]:
+    """Write ``src`` quantized as ``qtype`` into ``out_dir``; returns (path, warning or None).
+
+    The file appears under its final name only once complete and readable.
+    """
+    from ..bindings import quantize_file
+
+    info = read_gguf_info(src)
+    ftype, bits = TYPES[qtype]
+    stem = Path(src).name.removesuffix(".gguf")
+    out = Path(out_dir) / f"{stem}.{qtype}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        quantize_file(Path(src), partial, ftype, n_threads or default_threads())
+        read_gguf_info(partial)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    have = source_bits(info.file_type)
+    warning = None
+    if have is not None and bits > have:
+        warning = (f"{qtype} from a {info.quant} source: going up in precision does not restore "
+                   f"the fidelity lost by {info.quant}")
+    return out, warning
