@@ -26,6 +26,11 @@ def bundle(small_model, tmp_path_factory):
         report = calibrate(llm, NgramCandidates(k=4), PROMPTS, out,
                            CalibConfig(n_tokens=24, min_layer=18, epochs=20, threshold=0.3,
                                        val_frac=0.4))
+    # The measured probe/layer costs depend on the machine's load at that moment and would
+    # make the scheduler's cost check (and so these tests) vary: drop them here.
+    pred = Predictors.load(out)
+    assert pred.meta.pop("layer_cost_s") > 0 and pred.meta.pop("probe_cost_s") >= 0
+    pred.save(out)
     return out, report
 
 
