@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _report import write_section
+from _report import ee_configs, write_section
 
 import numpy as np
 
@@ -75,26 +75,20 @@ def main() -> int:
 
         doc = json.loads(Path(ns.from_json).read_text())
         old = ap.parse_args(shlex.split(doc["command"])[2:])
+        old.no_write = ns.no_write
         names = [k for k in doc["raw"][0] if k != "prompt_index"]
         report_and_write(doc["raw"], names, categories_of(Path(old.prompts)), old,
                          doc["prompt_indices"], doc["command"])
         return 0
 
-    from specee_cpp.config import EEConfig, LoadConfig
+    from specee_cpp.config import LoadConfig
     from specee_cpp.ee.calibrate import load_prompts
     from specee_cpp.engine.llm import LLM
 
     texts = load_prompts(Path(ns.prompts))
     idx = held_out(texts, ns.calib_prompts, ns.n_prompts)
-    configs = {"plain": ("plain", EEConfig()),
-               "ee-draft": ("ee", EEConfig(provider="draft")),
-               "ee-ngram": ("ee", EEConfig(provider="ngram")),
-               "ee-draft-cand": ("ee", EEConfig(provider="draft", rule="candidate")),
-               "ee-ngram-cand": ("ee", EEConfig(provider="ngram", rule="candidate"))}
-    names = ns.configs.split(",")
-    for n in names:
-        if n not in configs:
-            raise SystemExit(f"unknown config {n!r}; valid: {', '.join(configs)}")
+    configs = ee_configs(ns.configs)
+    names = list(configs)
     raw = []
     with LLM(ns.model, draft=ns.draft, config=LoadConfig(n_ctx=2048, n_threads=ns.threads)) as llm:
         llm.generate(texts[idx[0]], max_tokens=8)  # warm-up, discarded

