@@ -25,6 +25,9 @@ def test_text_and_eog():
     assert (st.n_prompt, st.n_gen, st.n_drafted, st.n_accept) == (4, 4, 10, 5)
     assert st.prefill_s == 0.5 and st.timings["decode"] == 0.4
     assert st.exit_layers == {3: 1}
+    # five rounds of 2 drafted, 1 accepted: position 0 always accepted, position 1 never
+    assert st.accept_by_pos == [[5, 5], [5, 0]]
+    assert st.as_dict()["acceptance_by_position"] == [1.0, 0.0]
 
 
 def test_max_tokens():

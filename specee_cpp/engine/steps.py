@@ -25,6 +25,8 @@ class Stats:
     n_drafted: int = 0
     n_accept: int = 0
     exit_layers: dict[int, int] = field(default_factory=dict)   # exit layer -> count
+    # speculative rounds: [drafted at position i, accepted at position i] for i = 0, 1, ...
+    accept_by_pos: list[list[int]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)     # seconds by phase
     finish_reason: str = "length"
 
@@ -47,6 +49,8 @@ class Stats:
             "prefill_tps": round(self.prefill_tps, 3), "decode_tps": round(self.decode_tps, 3),
             "n_drafted": self.n_drafted, "n_accept": self.n_accept,
             "acceptance": self.acceptance,
+            "acceptance_by_position": [round(a / d, 4) if d else None
+                                       for d, a in self.accept_by_pos],
             "exit_layers": {str(k): v for k, v in sorted(self.exit_layers.items())},
             "timings": {k: round(v, 6) for k, v in self.timings.items()},
             "finish_reason": self.finish_reason,
@@ -102,12 +106,14 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     totals: Counter[str] = Counter()
     exits: Counter[int] = Counter()
     n_gen = n_drafted = n_accept = 0
+    by_pos: list[list[int]] = []
     t_start = time.perf_counter()
 
     def finish(step: Step, text: str, reason: str) -> Step:
         decode_s = time.perf_counter() - t_start - totals["prefill"]
         stats = Stats(n_prompt=n_prompt, n_gen=n_gen, prefill_s=totals["prefill"],
                       decode_s=max(decode_s, 0.0), n_drafted=n_drafted, n_accept=n_accept,
+                      accept_by_pos=[list(x) for x in by_pos],
                       exit_layers=dict(exits), timings=dict(totals), finish_reason=reason)
         return replace(step, text=text, finish_reason=reason, stats=stats)
 
@@ -117,6 +123,11 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
             totals.update(step.timings)
             n_drafted += step.n_drafted
             n_accept += step.n_accept
+            for i in range(step.n_drafted):  # a round accepts a prefix: positions < n_accept
+                if i == len(by_pos):
+                    by_pos.append([0, 0])
+                by_pos[i][0] += 1
+                by_pos[i][1] += i < step.n_accept
             if is_eog(step.token):
                 yield finish(step, pending + detok.flush(), "stop")
                 return
