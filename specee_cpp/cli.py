@@ -249,6 +249,44 @@ def quantize(
                   soft_wrap=True)
 
 
+@app.command()
+def costs(
+    model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
+    draft: str = typer.Option(..., "--draft", "-d", help="Draft model."),
+    threads: int = OptThreads,
+    gpu_like: bool = typer.Option(False, "--gpu-like",
+                                  help="Also show a GPU-like machine (flat verify, draft 0.1)."),
+) -> None:
+    """Measure (once, then cached) the speculative cost model of a pair and show which draft
+    length it would choose at each acceptance rate."""
+    from .engine.cost import CostModel, load_or_measure, measure
+    from .engine.llm import LLM
+    from .models.pull import file_sha256
+
+    cfg = _load_config(2048, threads, 0)
+    with LLM(model, draft=draft, config=cfg) as llm:
+        key = (f"{file_sha256(llm.model.path)[:12]}-{file_sha256(llm.dft.model.path)[:12]}"
+               f"-t{cfg.threads}")
+        prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
+        with err.status("measuring target batches 1..16 and draft tokens"):
+            cm = load_or_measure(key, lambda: measure(llm.tgt.seq, llm.dft.seq, prompt))
+    machines = [("this machine", cm)]
+    if gpu_like:
+        v1 = cm.verify(1)
+        machines.append(("GPU-like", CostModel([v1 * (1 + 0.02 * i) for i in range(16)], 0.1 * v1)))
+    for name, m in machines:
+        v1 = m.verify(1)
+        err.print(f"[bold]{name}[/bold]: draft token {m.draft_token_s / v1:.2f} of a target "
+                  f"token; verify n=2,4,8,16: " + ", ".join(f"{m.verify(n) / v1:.2f}" for n in (2, 4, 8, 16)))
+        table = Table(title=f"{name}: best draft length by acceptance")
+        for col in ("acceptance", "best gamma", "expected speed vs plain"):
+            table.add_column(col)
+        for a in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+            g = m.best_gamma(a)
+            table.add_row(f"{a:.2f}", str(g), f"{m.expected_tps(a, g) * v1:.2f}")
+        out.print(table)
+
+
 # ---- models ---------------------------------------------------------------------------------
 
 def _progress() -> Progress:

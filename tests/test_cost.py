@@ -1,0 +1,47 @@
+"""The speculative cost model: expected speed formula, gamma choice, caching."""
+import pytest
+
+from specee_cpp.config import LoadConfig
+from specee_cpp.engine import cost
+from specee_cpp.engine.cost import CostModel
+from specee_cpp.engine.llm import LLM
+from tiny_gguf import write_tiny_model
+
+CPU = CostModel(target_batch_s=[1.0, 1.55, 1.78, 2.37, 2.68, 3.23, 4.2, 5.3], draft_token_s=0.6)
+GPU = CostModel(target_batch_s=[1.0 + 0.02 * i for i in range(16)], draft_token_s=0.1)
+
+
+def test_expected_speed_formula():
+    assert CPU.expected_tps(0.9, 0) == 1.0
+    # gamma 1 at acceptance a: (1 + a) tokens in c + v(2)
+    assert CPU.expected_tps(0.8, 1) == pytest.approx(1.8 / (0.6 + 1.55))
+    assert CPU.expected_tps(1.0, 2) == pytest.approx(3 / (1.2 + 1.78), rel=1e-6)
+    assert CPU.verify(10) == pytest.approx(5.3 + 1.1 * 2)  # extrapolated
+
+
+def test_gamma_choice_follows_costs_not_thresholds():
+    # FACTS: on this CPU the 0.5B draft (0.6 of a token) never pays; on a GPU-like machine
+    # with a cheap draft and flat verification, long drafts do
+    assert all(CPU.best_gamma(a) == 0 for a in (0.5, 0.7, 0.9, 0.95))
+    assert GPU.best_gamma(0.9) >= 4 and GPU.best_gamma(0.3) <= 1
+    cheap = CostModel(CPU.target_batch_s, draft_token_s=0.05)
+    assert cheap.best_gamma(0.95) >= 1
+
+
+def test_measure_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
+        prompt = llm.model.tokenize("the cat sat")
+        calls = []
+
+        def run():
+            calls.append(1)
+            return cost.measure(llm.tgt.seq, llm.dft.seq, prompt, repeats=1)
+
+        m = cost.load_or_measure("pair", run)
+        assert len(m.target_batch_s) == cost.N_MAX and m.draft_token_s > 0
+        assert llm.tgt.seq.tokens == prompt and llm.dft.seq.tokens == prompt  # left as found
+        again = cost.load_or_measure("pair", run)
+        assert calls == [1] and again == m and again.key == "pair"
