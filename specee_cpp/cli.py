@@ -250,6 +250,43 @@ def quantize(
 
 
 @app.command()
+def profile(
+    model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
+    draft: str = typer.Option(..., "--draft", "-d", help="Draft model."),
+    prompts: Path = typer.Option(..., "--prompts", help="Spec-Bench style JSONL (dev data)."),
+    out: Path = typer.Option(..., "--out", "-o", help="JSONL to append the records to."),
+    gammas: str = typer.Option("1,2,3,4,6,8", "--gammas", help="Draft lengths to profile."),
+    n_prompts: int = typer.Option(12, "--n-prompts", help="Prompts spread evenly over the file."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="Tokens per generation."),
+    threads: int = OptThreads,
+) -> None:
+    """Record step-level speculative decoding data (draft confidence, acceptance, times)."""
+    from .ee.calibrate import load_prompts
+    from .engine.llm import LLM
+    from .engine.profile import profile as run_profile
+
+    try:
+        gamma_list = [int(g) for g in gammas.split(",")]
+    except ValueError:
+        raise SpeceeError(f"--gammas must be comma-separated integers, got {gammas!r}") from None
+    if not gamma_list or min(gamma_list) < 1:
+        raise SpeceeError(f"--gammas must be positive, got {gammas!r}")
+    texts = load_prompts(prompts)
+    cats = [json.loads(line).get("category", "?") for line in
+            prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    pairs = list(zip(cats, texts))
+    if 0 < n_prompts < len(pairs):
+        pairs = [pairs[i * len(pairs) // n_prompts] for i in range(n_prompts)]
+    with LLM(model, draft=draft, config=_load_config(4096, threads, 0)) as llm:
+        with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeRemainingColumn(), console=err) as bar:
+            task = bar.add_task("profile", total=len(pairs) * len(gamma_list))
+            n = run_profile(llm, pairs, gamma_list, max_tokens, out,
+                            progress=lambda done, total: bar.update(task, completed=done))
+    err.print(f"[green]wrote[/green] {n} round records to {out}", soft_wrap=True)
+
+
+@app.command()
 def costs(
     model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
     draft: str = typer.Option(..., "--draft", "-d", help="Draft model."),

@@ -9,7 +9,7 @@ rule, so the output distribution is the target's.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -44,8 +44,21 @@ def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
     return len(draft), int(np.argmax(last)) if greedy else int(rng.choice(len(last), p=last))
 
 
+def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
+    """(top-1 probability, entropy in nats) of the draft's full softmax."""
+    z = logits.astype(np.float64) - logits.max()
+    p = np.exp(z)
+    p /= p.sum()
+    nz = p[p > 0]
+    return float(p.max()), float(-(nz * np.log(nz)).sum())
+
+
 def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], gamma: int,
-                  sampling: SamplingConfig) -> Iterator[Step]:
+                  sampling: SamplingConfig,
+                  trace: Callable[[dict], None] | None = None) -> Iterator[Step]:
+    """Speculative decoding with draft length gamma. ``trace``, if given, receives one record
+    per round (the draft's top-1 probability and entropy per drafted token, the accepted
+    count, draft and verify seconds): the profiling data of a draft-length controller."""
     clock = time.perf_counter
     rng = np.random.default_rng(sampling.seed)
     greedy = sampling.greedy
@@ -62,9 +75,11 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], gamma: int,
     while True:
         base_t = len(tgt.tokens)
         t0 = clock()
-        draft, q = [], []
+        draft, q, conf = [], [], []
         lg = dft.feed(pending)
         for i in range(gamma):
+            if trace is not None:
+                conf.append(draft_confidence(lg))
             dist = probs(lg, sampling)
             draft.append(pick(dist))
             q.append(dist)
@@ -79,6 +94,10 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], gamma: int,
         dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
         pending = draft[len(dft.tokens) - base_t - 1:n_acc] + [nxt]
         t2 = clock()
+        if trace is not None:
+            trace({"gamma": gamma, "draft_top1": [c[0] for c in conf],
+                   "draft_entropy": [c[1] for c in conf], "n_accept": n_acc,
+                   "t_draft": t1 - t0, "t_verify": t2 - t1})
         for tok in draft[:n_acc]:
             yield Step(token=tok, source="draft")
         yield Step(token=nxt, n_drafted=gamma, n_accept=n_acc,

@@ -1,0 +1,54 @@
+"""Step-level profiling of speculative decoding: the data a draft-length controller is
+fitted on (SpecKV's profile, on our pairs and quantization levels).
+
+One JSONL record per speculative round: the target's quantization, gamma, the draft's top-1
+probability and entropy for each drafted token, how many were accepted, and the draft and
+verify times. Appends to the output file and skips (prompt, gamma) pairs already in it, so
+an interrupted profile resumes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from .llm import LLM
+from .speculative import generate_spec
+
+
+def profile(llm: LLM, prompts: list[tuple[str, str]], gammas: list[int], max_tokens: int,
+            out: Path, progress: Callable[[int, int], None] | None = None) -> int:
+    """Run every (prompt, gamma); prompts are (category, text). Returns records written."""
+    from ..config import SamplingConfig
+    from .steps import stream
+
+    out = Path(out)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done.add((rec["prompt_id"], rec["gamma"]))
+    quant = llm.model.info.quant
+    n_written, total, step = 0, len(prompts) * len(gammas), 0
+    with open(out, "a", encoding="utf-8") as fh:
+        for pid, (category, text) in enumerate(prompts):
+            tokens = llm.prompt_tokens(text)
+            for gamma in gammas:
+                step += 1
+                if (pid, gamma) in done:
+                    continue
+                rounds: list[dict] = []
+                steps = generate_spec(llm.tgt.seq, llm.dft.seq, tokens, gamma, SamplingConfig(),
+                                      trace=rounds.append)
+                for _ in stream(steps, piece=llm.model.token_to_piece, is_eog=llm.model.is_eog,
+                                max_tokens=max_tokens, n_prompt=len(tokens)):
+                    pass
+                # a (prompt, gamma) is written whole, so a resumed run never repeats half of it
+                fh.write("".join(json.dumps(dict(r, prompt_id=pid, category=category,
+                                                 target_quant=quant)) + "\n" for r in rounds))
+                fh.flush()
+                n_written += len(rounds)
+                if progress:
+                    progress(step, total)
+    return n_written

@@ -1,0 +1,36 @@
+"""Profiling records of speculative decoding (tiny models)."""
+import json
+
+import numpy as np
+
+from specee_cpp.config import LoadConfig
+from specee_cpp.engine.llm import LLM
+from specee_cpp.engine.profile import profile
+from specee_cpp.engine.speculative import draft_confidence
+from tiny_gguf import write_tiny_model
+
+
+def test_draft_confidence():
+    top1, ent = draft_confidence(np.array([0.0, 0.0, 0.0, 0.0]))
+    assert top1 == 0.25 and abs(ent - np.log(4)) < 1e-12
+    top1, ent = draft_confidence(np.array([100.0, 0.0]))
+    assert top1 > 0.999 and ent < 1e-6
+
+
+def test_profile_records_and_resume(tmp_path):
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    out = tmp_path / "prof.jsonl"
+    prompts = [("qa", "the cat sat"), ("writing", "hello world")]
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
+        n = profile(llm, prompts, [1, 3], max_tokens=12, out=out)
+        recs = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(recs) == n > 0
+        assert {(r["prompt_id"], r["gamma"]) for r in recs} == {(0, 1), (0, 3), (1, 1), (1, 3)}
+        for r in recs:
+            assert len(r["draft_top1"]) == len(r["draft_entropy"]) == r["gamma"]
+            assert 0 <= r["n_accept"] <= r["gamma"] and r["t_verify"] > 0
+            assert r["target_quant"] == "ALL_F32" and r["category"] in ("qa", "writing")
+        # a rerun finds everything done and writes nothing
+        assert profile(llm, prompts, [1, 3], max_tokens=12, out=out) == 0
+        assert len(out.read_text().splitlines()) == n
