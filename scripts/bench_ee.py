@@ -30,7 +30,9 @@ DEV = REPO.parent / "shared" / "data" / "spec_bench_dev.jsonl"
 
 
 def held_out(texts: list[str], n_calib: int, n: int) -> list[int]:
-    calib = {i * len(texts) // n_calib for i in range(n_calib)} if n_calib else set()
+    from specee_cpp.ee.calibrate import spread
+
+    calib = set(spread(len(texts), n_calib)) if n_calib else set()
     rest = [i for i in range(len(texts)) if i not in calib]
     return [rest[j * len(rest) // n] for j in range(min(n, len(rest)))]
 
@@ -110,8 +112,9 @@ def main() -> int:
 
 
 def categories_of(path: Path) -> list[str]:
-    return [json.loads(line).get("category", "?") for line in path.read_text().splitlines()
-            if line.strip()]
+    from specee_cpp.ee.calibrate import load_prompt_records
+
+    return [category for category, _ in load_prompt_records(path)]
 
 
 def table_for(raw: list[dict], names: list[str]) -> str:

@@ -184,14 +184,13 @@ def calibrate(
     n_ctx: int = OptCtx, threads: int = OptThreads,
 ) -> None:
     """Fit the early-exit predictors and the offline schedule on dev prompts."""
-    from .ee.calibrate import CalibConfig, calibrate as run_calibration, load_prompts
+    from .ee.calibrate import CalibConfig, calibrate as run_calibration, load_prompts, spread
     from .ee.candidates import DraftCandidates, NgramCandidates
     from .engine.llm import BUNDLE_DIR, LLM
     from .models.pull import file_sha256
 
     texts = load_prompts(prompts)
-    if 0 < n_prompts < len(texts):  # evenly spread: every category of the file is seen
-        texts = [texts[i * len(texts) // n_prompts] for i in range(n_prompts)]
+    texts = [texts[i] for i in spread(len(texts), n_prompts)]
     cfg = CalibConfig(n_tokens=n_tokens, min_layer=min_layer, threshold=threshold)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
         if provider == "draft":
@@ -261,7 +260,7 @@ def profile(
     threads: int = OptThreads,
 ) -> None:
     """Record step-level speculative decoding data (draft confidence, acceptance, times)."""
-    from .ee.calibrate import load_prompts
+    from .ee.calibrate import load_prompt_records, spread
     from .engine.llm import LLM
     from .engine.profile import profile as run_profile
 
@@ -271,12 +270,8 @@ def profile(
         raise SpeceeError(f"--gammas must be comma-separated integers, got {gammas!r}") from None
     if not gamma_list or min(gamma_list) < 1:
         raise SpeceeError(f"--gammas must be positive, got {gammas!r}")
-    texts = load_prompts(prompts)
-    cats = [json.loads(line).get("category", "?") for line in
-            prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
-    pairs = list(zip(cats, texts))
-    if 0 < n_prompts < len(pairs):
-        pairs = [pairs[i * len(pairs) // n_prompts] for i in range(n_prompts)]
+    records = load_prompt_records(prompts)
+    pairs = [records[i] for i in spread(len(records), n_prompts)]
     with LLM(model, draft=draft, config=_load_config(4096, threads, 0)) as llm:
         with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:

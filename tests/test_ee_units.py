@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from specee_cpp.ee.calibrate import load_prompts, masked
+from specee_cpp.ee.calibrate import load_prompt_records, load_prompts, masked, spread
 from specee_cpp.ee.candidates import NgramCandidates, top_k
 from specee_cpp.ee.features import PAD_GAP, features, pad_logits
 from specee_cpp.ee.predictor import Predictors, stack, train_mlp
@@ -88,6 +88,14 @@ def test_ngram_candidates():
     p.accept(1)
     assert p.propose().tolist() == [2]
     assert top_k(np.array([0.1, 5.0, 3.0, 4.0]), 2).tolist() == [1, 3]
+
+
+def test_spread_and_records(tmp_path):
+    assert spread(10, 3) == [0, 3, 6] and spread(4, 0) == spread(4, 9) == [0, 1, 2, 3]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"category": "qa", "turns": ["a?"]}\n\n{"turns": ["b"]}\n')
+    assert load_prompt_records(f) == [("qa", "a?"), ("?", "b")]
+    assert load_prompts(f) == ["a?", "b"]
 
 
 def test_prompt_file_errors(tmp_path):

@@ -44,8 +44,21 @@ class CalibConfig:
     seed: int = 0
 
 
+def spread(n_items: int, n: int) -> list[int]:
+    """Indices of n items spread evenly over n_items (all of them if n is 0 or too large),
+    so that every category of a file sorted by category is represented."""
+    if not 0 < n < n_items:
+        return list(range(n_items))
+    return [i * n_items // n for i in range(n)]
+
+
 def load_prompts(path: Path) -> list[str]:
     """First turns of a Spec-Bench style JSONL file; a bad line is reported by number."""
+    return [text for _, text in load_prompt_records(path)]
+
+
+def load_prompt_records(path: Path) -> list[tuple[str, str]]:
+    """(category, first turn) of each record of a Spec-Bench style JSONL file."""
     path = Path(path)
     if not path.is_file():
         raise SpeceeError(f"prompt file not found: {path}")
@@ -60,7 +73,7 @@ def load_prompts(path: Path) -> list[str]:
                 raise ValueError("empty first turn")
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise SpeceeError(f"{path}:{i}: not a prompt record ({e})") from None
-        prompts.append(turn)
+        prompts.append((str(rec.get("category", "?")), turn))
     if not prompts:
         raise SpeceeError(f"no prompts in {path}")
     return prompts
