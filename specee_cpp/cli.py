@@ -185,24 +185,14 @@ def calibrate(
 ) -> None:
     """Fit the early-exit predictors and the offline schedule on dev prompts."""
     from .ee.calibrate import CalibConfig, calibrate as run_calibration, load_prompts, spread
-    from .ee.candidates import DraftCandidates, NgramCandidates
-    from .engine.llm import BUNDLE_DIR, LLM
-    from .models.pull import file_sha256
+    from .engine.llm import LLM
 
     texts = load_prompts(prompts)
     texts = [texts[i] for i in spread(len(texts), n_prompts)]
     cfg = CalibConfig(n_tokens=n_tokens, min_layer=min_layer, threshold=threshold)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
-        if provider == "draft":
-            if llm.dft is None:
-                raise SpeceeError("the draft provider needs --draft")
-            cands = DraftCandidates(llm.dft.seq, k=cfg.k)
-        elif provider == "ngram":
-            cands = NgramCandidates(k=cfg.k)
-        else:
-            raise SpeceeError(f"unknown candidate provider {provider!r}; use draft or ngram")
-        if out is None:
-            out = BUNDLE_DIR / f"{file_sha256(llm.model.path)[:16]}.{provider}.npz"
+        cands = llm.candidates(provider, cfg.k)
+        out = out or llm.bundle_path(provider)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("calibrating", total=len(texts))

@@ -100,15 +100,36 @@ class LLM:
         # The template writes BOS itself where the model wants one.
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
-    def predictors(self, ee: EEConfig):
-        """The exit predictors for this target and provider (checked against the target)."""
-        from ..ee.predictor import Predictors
+    def target_sha256(self) -> str:
+        """sha256 of the target GGUF (from pull's stamp when possible), computed once."""
         from ..models.pull import file_sha256
 
         if self._target_sha is None:
             self._target_sha = file_sha256(self.model.path)
-        sha = self._target_sha
-        path = Path(ee.predictors) if ee.predictors else BUNDLE_DIR / f"{sha[:16]}.{ee.provider}.npz"
+        return self._target_sha
+
+    def bundle_path(self, provider: str) -> Path:
+        """Where the shipped (or default calibrated) exit predictors for this target live."""
+        return BUNDLE_DIR / f"{self.target_sha256()[:16]}.{provider}.npz"
+
+    def candidates(self, provider: str, k: int):
+        """A fresh candidate provider of this LLM: ``draft`` (needs a draft) or ``ngram``."""
+        from ..ee.candidates import DraftCandidates, NgramCandidates
+
+        if provider == "draft":
+            if self.dft is None:
+                raise SpeceeError("the draft provider needs a draft model (--draft)")
+            return DraftCandidates(self.dft.seq, k=k)
+        if provider == "ngram":
+            return NgramCandidates(k=k)
+        raise SpeceeError(f"unknown candidate provider {provider!r}; use draft or ngram")
+
+    def predictors(self, ee: EEConfig):
+        """The exit predictors for this target and provider (checked against the target)."""
+        from ..ee.predictor import Predictors
+
+        sha = self.target_sha256()
+        path = Path(ee.predictors) if ee.predictors else self.bundle_path(ee.provider)
         if path not in self._bundles:
             if not ee.predictors and not path.is_file():
                 raise SpeceeError(
@@ -122,23 +143,17 @@ class LLM:
         return self._bundles[path]
 
     def _ee_steps(self, tokens: list[int], sampling: SamplingConfig, ee: EEConfig):
-        from ..ee.candidates import DraftCandidates, NgramCandidates
         from ..ee.decode import generate_ee
         from ..ee.scheduler import Scheduler
 
         if not sampling.greedy:
             raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
                               f"got temperature {sampling.temperature}")
-        if ee.provider == "draft" and self.dft is None:
-            raise SpeceeError("the draft provider needs a draft model (--draft)")
+        provider = self.candidates(ee.provider, ee.k)
         pred = self.predictors(ee)
         if pred.meta.get("provider") != ee.provider:
             raise SpeceeError(f"predictor bundle was fitted with the {pred.meta.get('provider')} "
                               f"provider, not {ee.provider}")
-        if ee.provider == "draft":
-            provider = DraftCandidates(self.dft.seq, k=ee.k)
-        else:
-            provider = NgramCandidates(k=ee.k)
         rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
         sched = Scheduler(n_layer=self.model.n_layer, offline=pred.meta.get("offline", pred.layers),
                           allowed=set(pred.layers), exit_rate=rates,
