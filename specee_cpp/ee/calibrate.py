@@ -22,7 +22,6 @@ import numpy as np
 from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
-from ..models.pull import file_sha256
 from ..paths import home
 from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
@@ -132,10 +131,11 @@ def masked(probes: np.ndarray, n_cand: np.ndarray) -> np.ndarray:
 
 
 def training_arrays(rec: dict, layers: list[int], j: int, k: int, gaps) -> tuple:
-    """Features and labels at layer index j of one record, for a first probe and for each
-    previous-probe distance in ``gaps`` (delta features as the scheduler will see them)."""
+    """Features and labels at layer index j of one record (its ``logits``: masked probes),
+    for a first probe and for each previous-probe distance in ``gaps`` (delta features as
+    the scheduler will see them)."""
     ok = rec["n_cand"] > 0
-    lg = masked(rec["probes"], rec["n_cand"])[:, ok]
+    lg = rec["logits"][:, ok]
     label = (rec["argmax"][j, ok] == rec["final"][ok]).astype(np.float64)
     xs, ys = [features(lg[j], None, k)[0]], [label]
     for g in gaps:
@@ -151,7 +151,7 @@ def simulate_exits(pred: Predictors, rec: dict, layers: list[int], threshold: fl
     """Exit layer of every token when all calibrated layers are probed (-1: no exit), and
     whether it emitted the full-depth token."""
     ok = rec["n_cand"] > 0
-    lg = masked(rec["probes"], rec["n_cand"])
+    lg = rec["logits"]
     exits = np.full(len(rec["final"]), -1)
     correct = np.zeros(len(rec["final"]), dtype=bool)
     for t in np.nonzero(ok)[0]:
@@ -201,7 +201,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         raise SpeceeError(f"min_layer {min_layer} out of range [1, {n_layer - 1})")
     layers = list(range(min_layer, n_layer - 1))
     out = Path(out)
-    target_sha = file_sha256(llm.model.path)
+    target_sha = llm.target_sha256()
     key = hashlib.sha256(json.dumps([target_sha, provider.name, layers, cfg.n_tokens,
                                      cfg.k]).encode()).hexdigest()[:12]
     # one record per prompt, named by the prompt: a stopped run, or one on another subset of
@@ -218,8 +218,10 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
             np.savez(tmp, **rec) if rec else np.savez(tmp, empty=np.zeros(0))
             tmp.replace(f)  # a record appears only once complete
         with np.load(f) as z:
-            rec = {name: z[name] for name in z.files}
+            rec = {field: z[field] for field in z.files}
         if "final" in rec:
+            # padded once here; training and validation read it for every layer
+            rec["logits"] = masked(rec["probes"], rec["n_cand"])
             records.append(rec)
         if progress:
             progress("collecting", i + 1, len(prompts))
