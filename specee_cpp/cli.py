@@ -287,7 +287,7 @@ def costs(
 
     cfg = _load_config(2048, threads, 0)
     with LLM(model, draft=draft, config=cfg) as llm:
-        key = (f"{file_sha256(llm.model.path)[:12]}-{file_sha256(llm.dft.model.path)[:12]}"
+        key = (f"{llm.target_sha256()[:12]}-{file_sha256(llm.dft.model.path)[:12]}"
                f"-t{cfg.threads}")
         prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
         with err.status("measuring target batches 1..16 and draft tokens"):

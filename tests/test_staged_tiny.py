@@ -32,6 +32,13 @@ def decode(ctx, tokens, pos0, all_logits=True):
     return np.stack([ctx.logits(i) for i in range(n)])
 
 
+def prompt_cache(ref):
+    """The reference K/V cache after a full-depth pass over PROMPT."""
+    cache = ref.new_cache()
+    ref.forward(PROMPT, list(range(len(PROMPT))), cache)
+    return cache
+
+
 def begin(ctx, tokens, pos0):
     b = Batch(16)
     b.set(tokens, pos0, output_last_only=False)
@@ -146,8 +153,7 @@ def test_exit_without_head_then_seq_rm(tiny):
     # remove the exited positions and decode other tokens there: as if they never existed
     ctx.seq_rm(len(PROMPT))
     got = decode(ctx, [72, 73], len(PROMPT))
-    cache = ref.new_cache()
-    ref.forward(PROMPT, list(range(len(PROMPT))), cache)
+    cache = prompt_cache(ref)
     want, _ = ref.forward([72, 73], [len(PROMPT), len(PROMPT) + 1], cache)
     np.testing.assert_allclose(got, want, **TOL)
 
@@ -161,8 +167,7 @@ def test_abort_and_decode_during_stage_remove_positions(tiny):
     ctx.stage_abort()
     assert ctx.stage_layer == -1
     got = decode(ctx, [82], len(PROMPT))
-    cache = ref.new_cache()
-    ref.forward(PROMPT, list(range(len(PROMPT))), cache)
+    cache = prompt_cache(ref)
     want, _ = ref.forward([82], [len(PROMPT)], cache)
     np.testing.assert_allclose(got, want, **TOL)
     # llama_decode while a stage is open discards the stage the same way
