@@ -3,7 +3,7 @@
 
     python scripts/bootstrap.py setup            # venv, patched wheel, package, default models
     python scripts/bootstrap.py chat [ARGS...]   # set up, then `specee-cpp chat` on the default pair
-    python scripts/bootstrap.py test [ARGS...]   # set up (test model only), then pytest
+    python scripts/bootstrap.py test [ARGS...]   # set up (test model, llama.cpp peer tools), then pytest
 
 Every step is skipped when its result is already there: the patched wheel is cached under
 ``$SPECEE_CPP_HOME/wheels`` (see build_wheel.py), the package install is stamped with the
@@ -81,6 +81,10 @@ def main(argv: list[str]) -> int:
     ensure_packages(py)
     if action == "test":
         pull(TEST_MODELS)
+        # the benchmark tests run llama.cpp's own speculative tools (built once, cached)
+        tools = run([py, REPO / "scripts" / "build_peers.py"], stdout=subprocess.PIPE,
+                    text=True).stdout.strip().splitlines()[-1]
+        os.environ["SPECEE_CPP_TOOLS"] = tools
         cmd = [py, "-m", "pytest", *(rest or ["-q", str(REPO / "tests")])]
     else:
         pull(["--pair", "default"])

@@ -309,6 +309,70 @@ def costs(
         out.print(table)
 
 
+# ---- bench ----------------------------------------------------------------------------------
+
+_DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
+
+
+@app.command()
+def bench(
+    model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
+    draft: Optional[str] = OptDraft,
+    prompts: str = typer.Option(str(_DEV_PROMPTS), "--prompts",
+                                help="Spec-Bench style JSONL file, or humaneval:LO-HI."),
+    configs: str = typer.Option("default", "--configs",
+                                help="Comma-separated configurations (peers, default: groups)."),
+    per_category: int = typer.Option(3, "--per-category", help="Prompts per category (0: all)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="New tokens per prompt."),
+    exclude_calibration: int = typer.Option(
+        64, "--exclude-calibration",
+        help="Skip the prompts `calibrate --n-prompts N` fits on (0: keep all)."),
+    out_prefix: str = typer.Option("bench/run", "--out",
+                                   help="Output prefix: .jsonl (raw), .json, .md, .png."),
+    benchmarks: Optional[Path] = typer.Option(None, "--benchmarks",
+                                              help="Also write the table into this markdown file."),
+    title: str = typer.Option("", "--title", help="Section heading in --benchmarks."),
+    fresh: bool = typer.Option(False, "--fresh", help="Discard earlier records under --out."),
+    list_configs: bool = typer.Option(False, "--list", help="List the configurations and exit."),
+    threads: int = OptThreads, gpu_layers: int = OptGpu, n_ctx: int = OptCtx,
+) -> None:
+    """Our modes against llama.cpp's speculative tools and llama-cpp-python's prompt lookup:
+    speed-up vs plain per category, acceptance, exits, agreement with plain, HumanEval
+    pass@1. Interleaved prompt by prompt; an interrupted run resumes."""
+    from .bench import configs as cfgs
+    from .bench.suite import BenchOptions, run
+
+    if list_configs:
+        for c in cfgs.CONFIGS.values():
+            out.print(f"{c.name:20s} {'lossless' if c.lossless else 'lossy   '} {c.describe}")
+        return
+    opts = BenchOptions(model=model, draft=draft, prompts=prompts, configs=configs,
+                        per_category=per_category, max_tokens=max_tokens,
+                        exclude_calibration=exclude_calibration, out=out_prefix,
+                        threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh)
+    command = "specee-cpp bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
+                  console=err) as bar:
+        task = bar.add_task("bench", total=None)
+
+        def progress(done: int, total: int, desc: str) -> None:
+            bar.update(task, completed=done, total=total, description=desc)
+
+        summary = run(opts, command, progress, benchmarks_md=benchmarks, title=title)
+    table = Table(title=f"specee-cpp bench: {summary['prompts']} prompts")
+    for col in ("configuration", "tok/s", "speed-up", "acceptance", "identical to plain"):
+        table.add_column(col)
+    for name, e in summary["configs"].items():
+        acc = e.get("acceptance")
+        table.add_row(name, f"{e['tps']:.1f}", f"{e['speedup']:.3f}" if e["speedup"] else "-",
+                      f"{acc:.2f}" if acc is not None else "-",
+                      f"{e['identical']:.2f}" if e["identical"] is not None else "-")
+    out.print(table)
+    err.print(f"wrote {out_prefix}.json, .md, .png (raw records: {out_prefix}.jsonl)",
+              soft_wrap=True)
+
+
 # ---- models ---------------------------------------------------------------------------------
 
 def _progress() -> Progress:
@@ -395,10 +459,9 @@ def main() -> None:
         sys.exit(e.exit_code)
     except typer.Abort:
         sys.exit(1)
-    except Exception as e:  # click usage errors in standalone_mode=False
-        import click
-
-        if isinstance(e, click.ClickException):
+    except Exception as e:  # usage errors in standalone_mode=False
+        # click's ClickException, vendored by newer typer releases (no click import then)
+        if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
             e.show()
             sys.exit(e.exit_code)
         raise

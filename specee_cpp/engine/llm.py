@@ -88,17 +88,27 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def reset(self) -> None:
+        """Forget the cached conversation: the next prompt is decoded from scratch."""
+        for loaded in (self.tgt, self.dft):
+            if loaded is not None:
+                loaded.seq.rewind(0)
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        """The chat template rendered for a user message or a list of {role, content}."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if self._template is None:
+            self._template = ChatTemplate(self.model)
+        return self._template.render(messages)
+
     def prompt_tokens(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a string (chat template applied unless ``chat`` is False)
         or a list of {role, content} messages."""
         if isinstance(prompt, str) and not chat:
             return self.model.tokenize(prompt, add_special=True, parse_special=False)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if self._template is None:
-            self._template = ChatTemplate(self.model)
-        text = self._template.render(messages)
         # The template writes BOS itself where the model wants one.
-        return self.model.tokenize(text, add_special=False, parse_special=True)
+        return self.model.tokenize(self.prompt_text(prompt), add_special=False,
+                                   parse_special=True)
 
     def target_sha256(self) -> str:
         """sha256 of the target GGUF (from pull's stamp when possible), computed once."""

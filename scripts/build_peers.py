@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Build (or reuse) llama.cpp's own speculative tools, the peers `specee-cpp bench` compares
+against: llama-speculative-simple (draft model and n-gram speculation), llama-lookup and
+llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache).
+
+They are built from the llama.cpp sources vendored in the same pinned llama-cpp-python
+sdist as our wheel, without our patches (the peers are what a user would get), statically
+linked, with ``CMAKE_ARGS`` passed through (e.g. ``-DGGML_CUDA=ON``). Cached under
+``<home>/tools/<key>/``; the key hashes the version, this script, the CMake options and the
+platform. Prints the directory holding the binaries on its last line of stdout.
+
+Standard library only, like build_wheel.py, whose sdist download it shares.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_wheel import (LLAMA_CPP_PYTHON_VERSION, BuildError, fetch_sdist,  # noqa: E402
+                         home_dir, log)
+
+TARGETS = ["llama-speculative-simple", "llama-lookup", "llama-lookup-create"]
+DEFAULT_CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",       # self-contained binaries: nothing to find at run time
+    "-DLLAMA_BUILD_EXAMPLES=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",           # the peers read local files only
+]
+
+
+def exe(name: str) -> str:
+    return name + (".exe" if sys.platform == "win32" else "")
+
+
+def cmake_args() -> list[str]:
+    return DEFAULT_CMAKE_ARGS + os.environ.get("CMAKE_ARGS", "").split()
+
+
+def cache_key(args: list[str]) -> str:
+    h = hashlib.sha256()
+    h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}\n".encode())
+    h.update(Path(__file__).read_bytes())
+    h.update(" ".join(args).encode())
+    h.update(f"{sys.platform} {platform.machine()} {platform.processor()}".encode())
+    return h.hexdigest()[:16]
+
+
+def build(out_dir: Path, args: list[str]) -> Path:
+    sdist = fetch_sdist(home_dir() / "sdist")
+    work = Path(tempfile.mkdtemp(prefix="specee-peers-"))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+            tar.extractall(work, members=members)
+        src = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+        bld = work / "build"
+        jobs = str(os.cpu_count() or 2)
+        log(f"building {', '.join(TARGETS)} (CMake options: {' '.join(args)}); "
+            f"about 4-6 min on 2 cores")
+        t0 = time.time()
+        build_log = work / "build.log"
+        with open(build_log, "w") as fh:
+            for cmd in (["cmake", "-S", str(src), "-B", str(bld), *args],
+                        ["cmake", "--build", str(bld), "--config", "Release", "-j", jobs,
+                         "--target", *TARGETS]):
+                r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+                if r.returncode != 0:
+                    tail = build_log.read_text(errors="replace")[-6000:]
+                    raise BuildError(f"{cmd[0]} {cmd[1]} failed (exit {r.returncode}); "
+                                     f"last lines:\n{tail}")
+        log(f"built in {time.time() - t0:.0f} s")
+        staging = out_dir.with_name(out_dir.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for t in TARGETS:
+            found = [p for p in bld.rglob(exe(t)) if p.is_file()]
+            if not found:
+                raise BuildError(f"{exe(t)} not found under {bld} after the build")
+            shutil.copy2(found[0], staging / exe(t))
+        (staging / "build.json").write_text(json.dumps({
+            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "targets": TARGETS,
+            "cmake_args": args, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(staging, out_dir)  # an interrupted build leaves no half-filled entry
+        return out_dir
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def cached_tools(force: bool = False) -> Path:
+    args = cmake_args()
+    out_dir = home_dir() / "tools" / cache_key(args)
+    if not force and all((out_dir / exe(t)).is_file() for t in TARGETS):
+        log(f"reusing cached llama.cpp tools in {out_dir}")
+        return out_dir
+    return build(out_dir, args)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ns = ap.parse_args()
+    try:
+        print(cached_tools(force=ns.force))
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Named benchmark configurations: our modes and the peers a user would pick instead.
+
+Peers run with the same models, threads and greedy decoding:
+- ``lcpp-*``: llama.cpp's `llama-speculative-simple` (draft model, or its n-gram speculation
+  types) and `llama-lookup` (prompt n-grams, optionally a static n-gram cache), built from
+  the pinned sources by ``scripts/build_peers.py``;
+- ``pld``: llama-cpp-python's ``LlamaPromptLookupDecoding`` with its defaults.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import EEConfig
+from ..errors import SpeceeError
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    kind: str                       # ours | llama.cpp | pld
+    lossless: bool                  # greedy output should equal plain's
+    mode: str = "plain"             # ours: plain | spec | ee
+    gamma: int | str = 0            # ours, mode spec
+    ee: EEConfig = field(default_factory=EEConfig)
+    tool: str = ""                  # llama.cpp binary
+    args: tuple[str, ...] = ()      # its speculative options
+    needs_draft: bool = False
+    static_cache: bool = False      # llama-lookup with a static n-gram cache
+
+    @property
+    def describe(self) -> str:
+        if self.kind == "ours":
+            extra = f" gamma {self.gamma}" if self.mode == "spec" else (
+                f" {self.ee.provider} {self.ee.rule}" if self.mode == "ee" else "")
+            return f"specee-cpp --mode {self.mode}{extra}"
+        if self.kind == "pld":
+            return "llama-cpp-python LlamaPromptLookupDecoding()"
+        return " ".join([self.tool, *self.args] + (["-md DRAFT"] if self.needs_draft else [])
+                        + (["-lcs STATIC"] if self.static_cache else []))
+
+
+def _spec_simple(name: str, *args: str, draft: bool = False) -> BenchConfig:
+    return BenchConfig(name, "llama.cpp", True, tool="llama-speculative-simple", args=args,
+                       needs_draft=draft)
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
+    BenchConfig("plain", "ours", True),
+    BenchConfig("spec-2", "ours", True, mode="spec", gamma=2, needs_draft=True),
+    BenchConfig("spec-4", "ours", True, mode="spec", gamma=4, needs_draft=True),
+    BenchConfig("ee-draft", "ours", False, mode="ee", ee=EEConfig(provider="draft"),
+                needs_draft=True),
+    BenchConfig("ee-ngram", "ours", False, mode="ee", ee=EEConfig(provider="ngram")),
+    BenchConfig("ee-draft-cand", "ours", False, mode="ee",
+                ee=EEConfig(provider="draft", rule="candidate"), needs_draft=True),
+    BenchConfig("ee-ngram-cand", "ours", False, mode="ee",
+                ee=EEConfig(provider="ngram", rule="candidate")),
+    _spec_simple("lcpp-draft-4", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
+                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", draft=True),
+    _spec_simple("lcpp-draft-8-p75", "--spec-type", "draft-simple", "--spec-draft-n-max", "8",
+                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0.75", draft=True),
+    _spec_simple("lcpp-ngram-simple", "--spec-type", "ngram-simple"),
+    _spec_simple("lcpp-ngram-map-k", "--spec-type", "ngram-map-k"),
+    _spec_simple("lcpp-ngram-cache", "--spec-type", "ngram-cache"),
+    BenchConfig("lcpp-lookup", "llama.cpp", True, tool="llama-lookup",
+                args=("--spec-draft-n-max", "4")),
+    BenchConfig("lcpp-lookup-static", "llama.cpp", True, tool="llama-lookup",
+                args=("--spec-draft-n-max", "4"), static_cache=True),
+    BenchConfig("pld", "pld", True),
+]}
+
+PEERS = [n for n, c in CONFIGS.items() if c.kind != "ours"]
+# What a quick run compares by default: plain, our lossless speculative mode, our fastest
+# early-exit mode and every peer (see docs/BENCHMARKS.md for its wall time).
+DEFAULT = ["plain", "spec-2", "ee-ngram-cand"] + PEERS
+
+
+def select(spec: str) -> list[BenchConfig]:
+    """Configurations for a comma-separated list of names (``peers`` stands for all peers,
+    ``default`` for the default set); plain is always run, first."""
+    names: list[str] = []
+    for n in (s.strip() for s in spec.split(",")):
+        if not n:
+            continue
+        group = {"peers": PEERS, "default": DEFAULT}.get(n)
+        if group is None and n not in CONFIGS:
+            raise SpeceeError(f"unknown configuration {n!r}; valid: "
+                              f"{', '.join(CONFIGS)} (or peers, default)")
+        names.extend(group or [n])
+    ordered = ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
+    return [CONFIGS[n] for n in ordered]

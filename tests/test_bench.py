@@ -1,0 +1,204 @@
+"""`specee-cpp bench`: prompt sets, configurations, the peers' output parsers, the report
+writers, and a small end-to-end run with the real tools on the small model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specee_cpp.bench import configs, prompts, report
+from specee_cpp.bench.peers import parse_output
+from specee_cpp.bench.runner import cut_at_stop, load_records
+from specee_cpp.errors import SpeceeError
+
+DATA = Path(__file__).parent / "data"
+PROMPT = ("<|im_start|>user\nWrite a Python function that checks whether a number is prime."
+          "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _read(name: str) -> str:
+    return (DATA / name).read_text(encoding="utf-8")
+
+
+# ---- parsers (outputs captured from the pinned tools, Qwen2.5-Coder 1.5B + 0.5B) ----------
+
+def test_parse_speculative_simple():
+    run = parse_output(_read("speculative-simple.stdout"), _read("speculative-simple.stderr"),
+                       PROMPT)
+    assert run.text.startswith("```python\ndef is_prime(number):\n")
+    assert not run.text.endswith("\n\n\n\n")
+    assert (run.n_prompt, run.n_gen, run.n_decode) == (20, 29, 29)
+    assert (run.n_drafted, run.n_accept) == (28, 22)
+    assert run.prefill_s == pytest.approx(0.370) and run.decode_s == pytest.approx(1.672)
+
+
+def test_parse_lookup_counts_first_token_in_prefill():
+    run = parse_output(_read("lookup.stdout"), _read("lookup.stderr"), PROMPT,
+                       first_in_prefill=True)
+    assert run.text.startswith("```python\ndef is_prime(number):\n")
+    assert (run.n_gen, run.n_decode, run.n_drafted, run.n_accept) == (25, 24, 8, 0)
+
+
+def test_parse_cuts_end_of_generation_piece():
+    out = "\n\n" + PROMPT + "Yes.<|im_end|>\n\n\n\n"
+    err = ("encoded   20 tokens in    0.3 seconds, speed: 60 t/s\n"
+           "decoded    3 tokens in    0.1 seconds, speed: 30 t/s\n")
+    run = parse_output(out, err, PROMPT, eog_texts=("<|im_end|>",))
+    assert run.text == "Yes." and run.n_drafted is None
+
+
+def test_parse_errors_name_what_is_missing():
+    with pytest.raises(SpeceeError, match="decoded N tokens"):
+        parse_output("\n\n" + PROMPT, "encoded 20 tokens in 0.3 seconds\nboom", PROMPT)
+    with pytest.raises(SpeceeError, match="does not start with the prompt"):
+        parse_output("\n\nsomething else", _read("lookup.stderr"), PROMPT)
+
+
+def test_cut_at_stop():
+    assert cut_at_stop("    return x\ndef g():", ("\ndef ", "\nclass ")) == "    return x"
+    assert cut_at_stop("abc", ()) == "abc"
+
+
+# ---- prompt sets and configurations ------------------------------------------------------
+
+def _jsonl(path: Path, recs: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in recs))
+    return path
+
+
+def test_spec_bench_groups_mt_bench_and_reports_bad_lines(tmp_path):
+    f = _jsonl(tmp_path / "p.jsonl", [{"category": "writing", "turns": ["a"]},
+                                      {"category": "qa", "turns": ["b", "c"]}])
+    ps = prompts.load_spec_bench(f)
+    assert [(p.category, p.text, p.id) for p in ps] == [("mt_bench", "a", "p:1"), ("qa", "b", "p:2")]
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"category": "qa", "turns": ["b"]}, "{not json"])
+    with pytest.raises(SpeceeError, match=r"bad.jsonl:2:"):
+        prompts.load_spec_bench(bad)
+    with pytest.raises(SpeceeError, match="not found"):
+        prompts.load_spec_bench(tmp_path / "missing.jsonl")
+
+
+def test_per_category_spreads_and_excludes(tmp_path):
+    f = _jsonl(tmp_path / "p.jsonl", [{"category": c, "turns": [f"{c}{i}"]}
+                                      for c in ("qa", "rag") for i in range(6)])
+    ps = prompts.load_spec_bench(f)
+    two = prompts.per_category(ps, 2)
+    assert [p.text for p in two] == ["qa0", "qa3", "rag0", "rag3"]
+    kept = prompts.per_category(ps, 2, exclude={ps[0].id})
+    assert "qa0" not in [p.text for p in kept] and len(kept) == 4
+    assert len(prompts.per_category(ps, 0)) == 12
+
+
+def test_humaneval_prompts():
+    ps = prompts.load("humaneval:82-84")
+    assert [p.id for p in ps] == ["HumanEval/82", "HumanEval/83", "HumanEval/84"]
+    assert not ps[0].chat and ps[0].task["task_id"] == "HumanEval/82" and "\ndef " in ps[0].stop
+    with pytest.raises(SpeceeError, match="range like"):
+        prompts.load("humaneval:x")
+    with pytest.raises(SpeceeError, match="no task HumanEval/164"):
+        prompts.load("humaneval:163-200")
+
+
+def test_config_selection():
+    sel = configs.select("lcpp-lookup,spec-2")
+    assert [c.name for c in sel] == ["plain", "lcpp-lookup", "spec-2"]
+    assert [c.name for c in configs.select("peers")][1:] == configs.PEERS
+    with pytest.raises(SpeceeError, match="unknown configuration 'nope'.*lcpp-draft-4"):
+        configs.select("plain,nope")
+    assert "-md DRAFT" in configs.CONFIGS["lcpp-draft-8-p75"].describe
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def _rec(pid, cat, cfg, text, n, secs, **kw):
+    return {"prompt_id": pid, "category": cat, "config": cfg, "text": text, "n_prompt": 10,
+            "prefill_s": 0.1, "n_gen": n, "decode_s": secs, "n_decode": n, "n_drafted": None,
+            "n_accept": None, "n_exit": None, "exit_layer_sum": 0, "finish_reason": None, **kw}
+
+
+def test_summary_tables_json_png(tmp_path):
+    sel = configs.select("lcpp-lookup,ee-ngram")
+    recs = [_rec("a", "qa", "plain", "hello world", 10, 1.0),
+            _rec("a", "qa", "lcpp-lookup", "hello world!", 10, 0.5, n_drafted=8, n_accept=6),
+            _rec("a", "qa", "ee-ngram", "hello there", 10, 2.0, n_exit=5, exit_layer_sum=100),
+            _rec("b", "rag", "plain", "x", 10, 1.0),
+            _rec("b", "rag", "lcpp-lookup", "y", 10, 1.0, n_drafted=4, n_accept=0),
+            _rec("b", "rag", "ee-ngram", "x", 10, 1.0, n_exit=0, exit_layer_sum=0),
+            _rec("c", "rag", "plain", "unfinished run", 10, 1.0)]  # no other config: left out
+    s = report.summarize(recs, sel)
+    assert s["prompts"] == 2
+    look, ee = s["configs"]["lcpp-lookup"], s["configs"]["ee-ngram"]
+    assert look["speedup"] == pytest.approx((20 / 1.5) / 10)
+    assert look["categories"]["qa"]["speedup"] == pytest.approx(2.0)
+    assert look["acceptance"] == pytest.approx(0.5) and look["identical"] == 0.5
+    assert ee["exit_ratio"] == pytest.approx(0.25) and ee["mean_exit_layer"] == 20
+    assert ee["common_prefix"] == pytest.approx((6 + 1) / 2)
+    md = report.markdown(s, "specee-cpp bench X", "settings;")
+    assert md.startswith("`specee-cpp bench X`") and "| lcpp-lookup | 13.3 | 1.333 |" in md
+    assert "| rag | 1 | 10.0 | 1.000 | 1.000 |" in md
+    report.write_json(tmp_path / "r.json", "cmd", {"a": 1}, s, recs)
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
+    report.write_png(tmp_path / "r.png", s)
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md_file = tmp_path / "B.md"
+    report.write_section(md_file, "Quick", "one")
+    report.write_section(md_file, "Other", "two")
+    report.write_section(md_file, "Quick", "three")
+    text = md_file.read_text()
+    assert "three" in text and "one" not in text and text.index("Quick") < text.index("Other")
+
+
+def test_torn_record_line_is_dropped(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"prompt_id": "a", "config": "plain"}) + "\n{\"prompt_id\": ")
+    assert len(load_records(f)) == 1
+
+
+# ---- end to end on the small model with the real tools ----------------------------------
+
+@pytest.mark.model
+def test_bench_end_to_end(small_model, tmp_path):
+    from specee_cpp.bench.suite import BenchOptions, run
+
+    f = _jsonl(tmp_path / "p.jsonl", [
+        {"category": "coding", "turns": ["Write a Python function that adds two numbers."]},
+        {"category": "qa", "turns": ["Repeat after me: one two three, one two three."]}])
+    opts = BenchOptions(model=str(small_model), draft=str(small_model), prompts=str(f),
+                        configs="spec-2,lcpp-ngram-simple,lcpp-lookup,pld", per_category=1,
+                        max_tokens=12, exclude_calibration=0, out=str(tmp_path / "out" / "q"),
+                        threads=2, n_ctx=512)
+    seen = []
+    s = run(opts, "specee-cpp bench test", lambda d, t, desc: seen.append((d, t)),
+            benchmarks_md=tmp_path / "B.md", title="Tiny")
+    assert s["prompts"] == 2 and seen[-1] == (10, 10)
+    for name in ("plain", "spec-2", "lcpp-ngram-simple", "lcpp-lookup", "pld"):
+        e = s["configs"][name]
+        assert e["tps"] > 0 and e["n_gen"] >= 2, name
+    assert s["configs"]["plain"]["identical"] == 1.0
+    # the draft is the target itself: every drafted token is accepted
+    assert s["configs"]["spec-2"]["acceptance"] == pytest.approx(1.0)
+    assert s["configs"]["lcpp-lookup"]["n_drafted"] is not None
+    for ext in (".json", ".md", ".png", ".jsonl"):
+        assert (tmp_path / "out" / ("q" + ext)).is_file()
+    assert "## Tiny" in (tmp_path / "B.md").read_text()
+    # a second run resumes: nothing left to measure, same records
+    again = run(opts, "specee-cpp bench test")
+    assert len(load_records(tmp_path / "out" / "q.jsonl")) == 10
+    assert again["configs"]["spec-2"]["tps"] == s["configs"]["spec-2"]["tps"]
+    # other settings on the same output are refused, not mixed in
+    with pytest.raises(SpeceeError, match="other settings"):
+        run(BenchOptions(**{**opts.__dict__, "max_tokens": 13}), "x")
+
+
+@pytest.mark.model
+def test_bench_humaneval_scores_pass_at_1(small_model, tmp_path):
+    from specee_cpp.bench.suite import BenchOptions, run
+
+    opts = BenchOptions(model=str(small_model), draft=None, prompts="humaneval:0-1",
+                        configs="plain", per_category=0, max_tokens=24,
+                        out=str(tmp_path / "he"), threads=2, n_ctx=1024)
+    s = run(opts, "x")
+    recs = load_records(tmp_path / "he.jsonl")
+    assert len(recs) == 2 and all(isinstance(r["passed"], bool) for r in recs)
+    assert s["configs"]["plain"]["pass_at_1"] == sum(r["passed"] for r in recs) / 2
