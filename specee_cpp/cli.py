@@ -48,7 +48,11 @@ OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
 OptMode = typer.Option("plain", "--mode",
                        help="Decoding strategy: plain, spec (draft then verify) or ee (early exit).")
-OptGamma = typer.Option(4, "--gamma", help="spec: tokens drafted per step (0: plain).")
+OptGamma = typer.Option("4", "--gamma",
+                        help="spec: tokens drafted per round (0: plain), or auto (cost-aware "
+                             "controller), stop (per-token stop rule), pmin, hf, speckv.")
+OptController = typer.Option(None, "--controller",
+                             help="spec: fitted draft-length controller (default: shipped).")
 OptProvider = typer.Option("draft", "--provider", help="ee candidates: draft or ngram.")
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
@@ -82,7 +86,7 @@ def generate(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    gamma: int = OptGamma,
+    gamma: str = OptGamma, controller: Optional[str] = OptController,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
@@ -90,6 +94,7 @@ def generate(
     sampling = _sampling(temperature, top_k, top_p, seed)
     ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
+        llm.controller_file = controller
         steps = llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
                            mode=mode, ee=ee, gamma=gamma)
         pieces, tokens, stats = [], [], None
@@ -120,7 +125,7 @@ def chat(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    gamma: int = OptGamma,
+    gamma: str = OptGamma, controller: Optional[str] = OptController,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
@@ -132,6 +137,7 @@ def chat(
     ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
+    llm.controller_file = controller
     with llm:
         err.print(f"[bold]{llm.model.path.name}[/bold]"
                   + (f" + draft {llm.dft.model.path.name}" if llm.dft else "")
@@ -245,12 +251,16 @@ def profile(
     prompts: Path = typer.Option(..., "--prompts", help="Spec-Bench style JSONL (dev data)."),
     out: Path = typer.Option(..., "--out", "-o", help="JSONL to append the records to."),
     gammas: str = typer.Option("1,2,3,4,6,8", "--gammas", help="Draft lengths to profile."),
-    n_prompts: int = typer.Option(12, "--n-prompts", help="Prompts spread evenly over the file."),
+    n_prompts: int = typer.Option(64, "--n-prompts",
+                                  help="Fitting pool: this many prompts spread over the file "
+                                       "(the ones calibrate uses; bench excludes them)."),
+    per_category: int = typer.Option(2, "--per-category",
+                                     help="Prompts of each category taken from the pool (0: all)."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="Tokens per generation."),
     threads: int = OptThreads,
 ) -> None:
     """Record step-level speculative decoding data (draft confidence, acceptance, times)."""
-    from .ee.calibrate import load_prompt_records, spread
+    from .ee.calibrate import spread
     from .engine.llm import LLM
     from .engine.profile import profile as run_profile
 
@@ -260,8 +270,11 @@ def profile(
         raise SpeceeError(f"--gammas must be comma-separated integers, got {gammas!r}") from None
     if not gamma_list or min(gamma_list) < 1:
         raise SpeceeError(f"--gammas must be positive, got {gammas!r}")
-    records = load_prompt_records(prompts)
-    pairs = [records[i] for i in spread(len(records), n_prompts)]
+    from .bench.prompts import load_spec_bench, per_category as by_category
+
+    records = load_spec_bench(prompts)
+    pool = [records[i] for i in spread(len(records), n_prompts)]
+    pairs = [(p.category, p.text) for p in by_category(pool, per_category)]
     with LLM(model, draft=draft, config=_load_config(4096, threads, 0)) as llm:
         with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
@@ -269,6 +282,62 @@ def profile(
             n = run_profile(llm, pairs, gamma_list, max_tokens, out,
                             progress=lambda done, total: bar.update(task, completed=done))
     err.print(f"[green]wrote[/green] {n} round records to {out}", soft_wrap=True)
+
+
+@app.command("fit-controller")
+def fit_controller(
+    profiles: list[Path] = typer.Argument(..., help="JSONL files written by specee-cpp profile."),
+    draft: str = typer.Option(..., "--draft", "-d", help="The draft the profiles used."),
+    target: str = typer.Option(..., "--target", help="One of the profiled targets (its shape "
+                               "is recorded: the controller serves any quantization of it)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", "-o",
+                                            help="Default: the shipped file for this draft."),
+) -> None:
+    """Fit the draft-length controller (acceptance MLPs) on profile records of dev prompts;
+    reports its error on the records' last prompts, held out from the fit."""
+    from .controller.acceptance import fit, round_dataset, token_dataset, _forward
+    from .engine.llm import LLM
+    from .models.pull import file_sha256
+
+    import numpy as np
+
+    records = []
+    for f in profiles:
+        if not f.is_file():
+            raise SpeceeError(f"profile file not found: {f}")
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    raise SpeceeError(f"{f}:{i}: not a JSON record") from None
+    pids = sorted({r["prompt_id"] for r in records})
+    held = set(pids[-max(1, len(pids) // 5):])
+    train = [r for r in records if r["prompt_id"] not in held]
+    test = [r for r in records if r["prompt_id"] in held]
+    with LLM(target, draft=draft, config=_load_config(512, 0, 0)) as llm:
+        m = llm.model
+        meta = {"draft_sha256": file_sha256(llm.dft.model.path), "draft": llm.dft.model.path.name,
+                "target_shape": [m.info.arch, m.n_layer, m.n_embd],
+                "profiles": [f.name for f in profiles]}
+        path = out_path or llm.controller_path()
+    with err.status(f"fitting on {len(train)} rounds ({len(pids) - len(held)} prompts)"):
+        held_model = fit(train, meta=meta)
+    Xr, yr = round_dataset(test)
+    Xt, yt = token_dataset(test)
+    if len(Xr):
+        mae = float(np.mean(np.abs(_forward(held_model.round_net, Xr) - yr)))
+        base = float(np.mean(np.abs(np.mean(round_dataset(train)[1]) - yr)))
+        err.print(f"held-out prompts {sorted(held)}: acceptance-rate MAE {mae:.3f} "
+                  f"(constant baseline {base:.3f})")
+    if len(Xt):
+        pt = _forward(held_model.token_net, Xt)
+        err.print(f"per-token acceptance: accuracy {np.mean((pt > 0.5) == (yt > 0.5)):.3f} "
+                  f"(base rate {np.mean(yt):.3f})")
+    with err.status(f"fitting on all {len(records)} rounds"):
+        model = fit(records, meta=dict(meta, held_out_mae=locals().get("mae")))
+    model.save(path)
+    err.print(f"[green]wrote[/green] {path}", soft_wrap=True)
 
 
 @app.command()
@@ -316,14 +385,16 @@ _DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_b
 
 @app.command()
 def bench(
-    model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
+    model: Optional[str] = typer.Argument(None, help="Target: registry name or .gguf path."),
     draft: Optional[str] = OptDraft,
     prompts: str = typer.Option(str(_DEV_PROMPTS), "--prompts",
                                 help="Spec-Bench style JSONL file, or humaneval:LO-HI."),
-    configs: str = typer.Option("default", "--configs",
-                                help="Comma-separated configurations (peers, default: groups)."),
+    configs: str = typer.Option("quick", "--configs",
+                                help="Comma-separated configurations or groups (quick, peers, all)."),
     per_category: int = typer.Option(3, "--per-category", help="Prompts per category (0: all)."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="New tokens per prompt."),
+    max_prompt_tokens: int = typer.Option(0, "--max-prompt-tokens",
+                                          help="Cut longer user messages in the middle (0: never)."),
     exclude_calibration: int = typer.Option(
         64, "--exclude-calibration",
         help="Skip the prompts `calibrate --n-prompts N` fits on (0: keep all)."),
@@ -346,9 +417,11 @@ def bench(
         for c in cfgs.CONFIGS.values():
             out.print(f"{c.name:20s} {'lossless' if c.lossless else 'lossy   '} {c.describe}")
         return
+    if model is None:
+        raise SpeceeError("name the target model (registry name or .gguf path)")
     opts = BenchOptions(model=model, draft=draft, prompts=prompts, configs=configs,
                         per_category=per_category, max_tokens=max_tokens,
-                        exclude_calibration=exclude_calibration, out=out_prefix,
+                        max_prompt_tokens=max_prompt_tokens, exclude_calibration=exclude_calibration, out=out_prefix,
                         threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh)
     command = "specee-cpp bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     with Progress(TextColumn("{task.description}"), BarColumn(),

@@ -104,6 +104,7 @@ def test_config_selection():
     sel = configs.select("lcpp-lookup,spec-2")
     assert [c.name for c in sel] == ["plain", "lcpp-lookup", "spec-2"]
     assert [c.name for c in configs.select("peers")][1:] == configs.PEERS
+    assert [c.name for c in configs.select("quick")] == configs.GROUPS["quick"]
     with pytest.raises(SpeceeError, match="unknown configuration 'nope'.*lcpp-draft-4"):
         configs.select("plain,nope")
     assert "-md DRAFT" in configs.CONFIGS["lcpp-draft-8-p75"].describe
@@ -202,3 +203,16 @@ def test_bench_humaneval_scores_pass_at_1(small_model, tmp_path):
     recs = load_records(tmp_path / "he.jsonl")
     assert len(recs) == 2 and all(isinstance(r["passed"], bool) for r in recs)
     assert s["configs"]["plain"]["pass_at_1"] == sum(r["passed"] for r in recs) / 2
+
+
+@pytest.mark.model
+def test_long_prompts_are_cut_in_the_middle(small_llm):
+    from specee_cpp.bench.suite import shorten
+
+    text = "Summarize: " + " ".join(f"word{i}" for i in range(200)) + " What is it about?"
+    p = prompts.BenchPrompt(id="x", category="summarization", text=text)
+    short = shorten(p, small_llm.model, 40)
+    assert short.text.startswith("Summarize:") and short.text.endswith("about?")
+    assert " [...] " in short.text
+    assert len(small_llm.model.tokenize(short.text, add_special=False)) <= 48
+    assert shorten(p, small_llm.model, 0) is p

@@ -12,7 +12,8 @@ from tiny_gguf import write_tiny_model
 
 def test_draft_confidence():
     top1, ent = draft_confidence(np.array([0.0, 0.0, 0.0, 0.0]))
-    assert top1 == 0.25 and abs(ent - np.log(4)) < 1e-12
+    # float32 on purpose: it runs once per drafted token over the whole vocabulary
+    assert top1 == 0.25 and abs(ent - np.log(4)) < 1e-6
     top1, ent = draft_confidence(np.array([100.0, 0.0]))
     assert top1 > 0.999 and ent < 1e-6
 
@@ -31,6 +32,7 @@ def test_profile_records_and_resume(tmp_path):
             assert len(r["draft_top1"]) == len(r["draft_entropy"]) == r["gamma"]
             assert 0 <= r["n_accept"] <= r["gamma"] and r["t_verify"] > 0
             assert r["target_quant"] == "ALL_F32" and r["category"] in ("qa", "writing")
+            assert abs(r["target_bpw"] - 32.0) < 0.5   # F32 weights
         # a rerun finds everything done and writes nothing
         assert profile(llm, prompts, [1, 3], max_tokens=12, out=out) == 0
         assert len(out.read_text().splitlines()) == n

@@ -46,8 +46,11 @@ def _spec_simple(name: str, *args: str, draft: bool = False) -> BenchConfig:
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("plain", "ours", True),
-    BenchConfig("spec-2", "ours", True, mode="spec", gamma=2, needs_draft=True),
-    BenchConfig("spec-4", "ours", True, mode="spec", gamma=4, needs_draft=True),
+    *[BenchConfig(f"spec-{g}", "ours", True, mode="spec", gamma=g, needs_draft=True)
+      for g in (1, 2, 3, 4, 6, 8)],
+    # draft-length policies (controller.policies): ours and the baselines, all lossless
+    *[BenchConfig(f"spec-{p}", "ours", True, mode="spec", gamma=p, needs_draft=True)
+      for p in ("auto", "stop", "pmin", "hf", "speckv")],
     BenchConfig("ee-draft", "ours", False, mode="ee", ee=EEConfig(provider="draft"),
                 needs_draft=True),
     BenchConfig("ee-ngram", "ours", False, mode="ee", ee=EEConfig(provider="ngram")),
@@ -70,22 +73,28 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 ]}
 
 PEERS = [n for n, c in CONFIGS.items() if c.kind != "ours"]
-# What a quick run compares by default: plain, our lossless speculative mode, our fastest
-# early-exit mode and every peer (see docs/BENCHMARKS.md for its wall time).
-DEFAULT = ["plain", "spec-2", "ee-ngram-cand"] + PEERS
+# A run costs about (configurations x prompts x (prefill + new tokens)) on one machine: 18
+# prompts x 64 tokens is ~1.5 min per configuration on 2 cores, so the quick set keeps one
+# mode of ours per family and the strongest peer of each family (see docs/BENCHMARKS.md).
+GROUPS = {
+    "quick": ["plain", "spec-2", "ee-ngram-cand", "lcpp-draft-4", "lcpp-draft-8-p75",
+              "lcpp-lookup", "pld"],
+    "peers": PEERS,
+    "all": list(CONFIGS),
+}
 
 
 def select(spec: str) -> list[BenchConfig]:
-    """Configurations for a comma-separated list of names (``peers`` stands for all peers,
-    ``default`` for the default set); plain is always run, first."""
+    """Configurations for a comma-separated list of names or groups (quick, peers, all);
+    plain is always run, first."""
     names: list[str] = []
     for n in (s.strip() for s in spec.split(",")):
         if not n:
             continue
-        group = {"peers": PEERS, "default": DEFAULT}.get(n)
+        group = GROUPS.get(n)
         if group is None and n not in CONFIGS:
             raise SpeceeError(f"unknown configuration {n!r}; valid: "
-                              f"{', '.join(CONFIGS)} (or peers, default)")
+                              f"{', '.join(CONFIGS)} (groups: {', '.join(GROUPS)})")
         names.extend(group or [n])
     ordered = ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
     return [CONFIGS[n] for n in ordered]

@@ -115,13 +115,17 @@ class LlamaCppPeers:
         cfg = self.cfg
         argv = [str(self.tools / _exe(config.tool)), "-m", str(self.target),
                 "-f", str(prompt_file), "-n", str(max_tokens), "-c", str(n_ctx),
-                "-t", str(cfg.threads), "-ngl", str(cfg.n_gpu_layers),
+                "-t", str(cfg.threads),
                 # --no-escape: the prompt is text, not a C string ("\\n" in code stays)
                 "--no-escape", "--temp", "0", "--top-k", "1", "--seed", "1", *config.args]
+        if cfg.n_gpu_layers:
+            argv += ["-ngl", str(cfg.n_gpu_layers)]
         if config.needs_draft:
             if self.draft is None:
                 raise SpeceeError(f"configuration {config.name} needs a draft model (--draft)")
-            argv += ["-md", str(self.draft), "-ngld", str(cfg.n_gpu_layers)]
+            argv += ["-md", str(self.draft)]
+            if cfg.n_gpu_layers:
+                argv += ["-ngld", str(cfg.n_gpu_layers)]
         if config.static_cache:
             if self.static_cache is None:
                 raise SpeceeError(f"configuration {config.name} needs a static n-gram cache")

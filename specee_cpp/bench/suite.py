@@ -3,7 +3,7 @@ peers, measure (resumably), then write JSON, markdown and PNG next to the raw re
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,9 +19,10 @@ class BenchOptions:
     model: str
     draft: str | None
     prompts: str                      # JSONL path or humaneval:LO-HI
-    configs: str = "default"
+    configs: str = "quick"
     per_category: int = 3
     max_tokens: int = 64
+    max_prompt_tokens: int = 0        # >0: cut longer user messages in the middle
     exclude_calibration: int = 64     # Spec-Bench files: skip spread(n, this) (fitting prompts)
     out: str = "bench/run"            # prefix of .jsonl (raw), .json, .md, .png
     threads: int = 0
@@ -32,7 +33,8 @@ class BenchOptions:
 
     def settings(self) -> dict:
         """What makes records comparable: a resumed run must use the same."""
-        keep = ("model", "draft", "prompts", "max_tokens", "threads", "gpu_layers")
+        keep = ("model", "draft", "prompts", "max_tokens", "max_prompt_tokens", "threads",
+                "gpu_layers")
         return {k: v for k, v in asdict(self).items() if k in keep}
 
 
@@ -48,6 +50,20 @@ def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
         raise SpeceeError(f"no prompts left in {opts.prompts} after excluding "
                           f"{len(exclude)} calibration prompts")
     return chosen
+
+
+def shorten(prompt: prompts_mod.BenchPrompt, model, max_tokens: int) -> prompts_mod.BenchPrompt:
+    """Cut a user message longer than ``max_tokens`` tokens in its middle, keeping the head
+    and the tail (where Spec-Bench puts the instruction and the question)."""
+    toks = model.tokenize(prompt.text, add_special=False)
+    if max_tokens <= 0 or len(toks) <= max_tokens:
+        return prompt
+    half = max_tokens // 2
+
+    def text(ids):
+        return b"".join(model.token_to_piece(t) for t in ids).decode("utf-8", "replace")
+
+    return replace(prompt, text=text(toks[:half]) + " [...] " + text(toks[-half:]))
 
 
 def _check_settings(raw: Path, opts: BenchOptions) -> None:
@@ -82,6 +98,7 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
     _check_settings(raw, opts)
     cfg = LoadConfig(n_ctx=opts.n_ctx, n_threads=opts.threads, n_gpu_layers=opts.gpu_layers)
     with LLM(opts.model, draft=opts.draft, config=cfg) as llm:
+        chosen = [shorten(p, llm.model, opts.max_prompt_tokens) for p in chosen]
         peers = None
         if any(c.kind == "llama.cpp" for c in configs):
             tools = tools_dir()
@@ -113,9 +130,11 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
                        and r["config"] in {c.name for c in configs}]
             summary = summarize(records, configs)
             if summary["prompts"]:
+                cut = (f", user messages over {opts.max_prompt_tokens} tokens cut in the "
+                       f"middle" if opts.max_prompt_tokens else "")
                 settings = (f"{opts.prompts} ({opts.per_category or 'all'} per category"
                             f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
-                            f"), chat template for chat prompts, greedy, {opts.max_tokens} new "
+                            f"{cut}), chat template for chat prompts, greedy, {opts.max_tokens} new "
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "
                             f"by prompt, every configuration from an empty KV cache;")
                 md = markdown(summary, command, settings)

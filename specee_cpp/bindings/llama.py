@@ -125,6 +125,12 @@ class Model:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
     @property
+    def bits_per_weight(self) -> float:
+        """File bits per parameter: the compression level a draft-length controller sees
+        (Q8_0 ~8.5, Q4_K_M ~4.9, IQ4_NL ~4.5, Q3_K_M ~3.9, Q2_K ~3.2 for Qwen2.5)."""
+        return 8.0 * ll.llama_model_size(self.ptr) / max(ll.llama_model_n_params(self.ptr), 1)
+
+    @property
     def bos(self) -> int:
         return int(ll.llama_vocab_bos(self.vocab))
 

@@ -72,6 +72,9 @@ class LLM:
         self._template: ChatTemplate | None = None
         self._bundles: dict[Path, object] = {}   # loaded predictor bundles by path
         self._target_sha: str | None = None      # hashed on first early-exit use
+        self._costs = None                       # measured/cached on first use
+        self._controller = None
+        self.controller_file: str | None = None  # overrides the shipped controller
 
     @property
     def model(self) -> Model:
@@ -172,21 +175,76 @@ class LLM:
         threshold = pred.threshold if ee.threshold is None else ee.threshold
         return generate_ee(self.tgt.seq, tokens, provider, pred, sched, threshold, rule=ee.rule)
 
+    def cost_model(self):
+        """This machine's speculative cost model for the loaded pair (measured on first use
+        in ~10 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
+        from ..models.pull import file_sha256
+        from .cost import load_or_measure, measure
+
+        if self.dft is None:
+            raise SpeceeError("a cost model needs a draft model (--draft)")
+        if self._costs is None:
+            key = (f"{self.target_sha256()[:12]}-{file_sha256(self.dft.model.path)[:12]}"
+                   f"-t{self.config.threads}")
+            prompt = self.prompt_tokens("Write a function that parses a date and explain it.")
+            self._costs = load_or_measure(key, lambda: measure(self.tgt.seq, self.dft.seq, prompt))
+        return self._costs
+
+    def controller_path(self) -> Path:
+        """The shipped acceptance model for this draft (any quantization of its target)."""
+        from ..models.pull import file_sha256
+
+        return BUNDLE_DIR / f"controller-{file_sha256(self.dft.model.path)[:16]}.npz"
+
+    def controller(self):
+        """The fitted acceptance model (``controller`` path given at load, else shipped),
+        refused for a target of another shape than it was fitted on."""
+        from ..controller.acceptance import AcceptanceModel
+
+        if self._controller is None:
+            path = Path(self.controller_file) if self.controller_file else self.controller_path()
+            if not self.controller_file and not path.is_file():
+                raise SpeceeError(f"no shipped draft-length controller for draft "
+                                  f"{self.dft.model.path.name}; fit one with "
+                                  f"specee-cpp fit-controller")
+            model = AcceptanceModel.load(path)
+            shape = [self.model.info.arch, self.model.n_layer, self.model.n_embd]
+            if model.meta.get("target_shape", shape) != shape:
+                raise SpeceeError(f"controller {path.name} was fitted for a target of shape "
+                                  f"{model.meta['target_shape']}, not {shape}")
+            self._controller = model
+        return self._controller
+
+    def draft_policy(self, gamma: int | str):
+        """A fresh draft-length policy: a number (fixed gamma, 0 is plain decoding), auto
+        (ours, cost-aware gamma), stop (ours, cost-aware per-token stop), pmin (llama.cpp's
+        p_min 0.75 / max 8), hf (HF's heuristic) or speckv (SpecKV's objective)."""
+        from ..controller.policies import make_policy
+
+        name = str(gamma).strip().lower()
+        if name.isdigit() and not 0 <= int(name) < self.config.n_batch:
+            raise SpeceeError(f"gamma must be in [0, {self.config.n_batch}), got {gamma}")
+        needs_model = name in ("auto", "stop", "speckv")
+        return make_policy(name, model=self.controller() if needs_model else None,
+                           costs=self.cost_model() if name in ("auto", "stop") else None,
+                           bpw=self.model.bits_per_weight)
+
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
                chat: bool = True, mode: str = "plain", ee: EEConfig = EEConfig(),
-               gamma: int = 4) -> Iterator[Step]:
+               gamma: int | str = 4) -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
-        carries ``finish_reason`` and ``stats``."""
+        carries ``finish_reason`` and ``stats``. ``gamma`` (mode spec): tokens drafted per
+        round, or a policy name (auto, stop, pmin, hf, speckv; see :meth:`draft_policy`)."""
         if mode not in MODES:
             raise SpeceeError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
         if max_tokens < 1:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
+        policy = None
         if mode == "spec":
             if self.dft is None:
                 raise SpeceeError("mode spec needs a draft model (--draft)")
-            if not 0 <= gamma < self.config.n_batch:
-                raise SpeceeError(f"gamma must be in [0, {self.config.n_batch}), got {gamma}")
+            policy = self.draft_policy(gamma)
         tokens = self.prompt_tokens(prompt, chat=chat)
         if len(tokens) + max_tokens > self.tgt.ctx.n_ctx:
             raise ContextOverflowError(
@@ -194,8 +252,8 @@ class LLM:
                 f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
         if mode == "ee":
             steps = self._ee_steps(tokens, sampling, ee)
-        elif mode == "spec" and gamma > 0:
-            steps = generate_spec(self.tgt.seq, self.dft.seq, tokens, gamma, sampling)
+        elif mode == "spec" and policy.plan_is_plain is False:
+            steps = generate_spec(self.tgt.seq, self.dft.seq, tokens, policy, sampling)
         else:
             steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
         return stream(steps, piece=self.model.token_to_piece, is_eog=self.model.is_eog,

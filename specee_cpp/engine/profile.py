@@ -1,7 +1,8 @@
 """Step-level profiling of speculative decoding: the data a draft-length controller is
 fitted on (SpecKV's profile, on our pairs and quantization levels).
 
-One JSONL record per speculative round: the target's quantization, gamma, the draft's top-1
+One JSONL record per speculative round: the target's quantization (name and bits per
+weight), gamma, the draft's top-1
 probability and entropy for each drafted token, how many were accepted, and the draft and
 verify times. Appends to the output file and skips (prompt, gamma) pairs already in it, so
 an interrupted profile resumes.
@@ -29,7 +30,7 @@ def profile(llm: LLM, prompts: list[tuple[str, str]], gammas: list[int], max_tok
             if line.strip():
                 rec = json.loads(line)
                 done.add((rec["prompt_id"], rec["gamma"]))
-    quant = llm.model.info.quant
+    quant, bpw = llm.model.info.quant, round(llm.model.bits_per_weight, 4)
     n_written, total, step = 0, len(prompts) * len(gammas), 0
     with open(out, "a", encoding="utf-8") as fh:
         for pid, (category, text) in enumerate(prompts):
@@ -46,7 +47,8 @@ def profile(llm: LLM, prompts: list[tuple[str, str]], gammas: list[int], max_tok
                     pass
                 # a (prompt, gamma) is written whole, so a resumed run never repeats half of it
                 fh.write("".join(json.dumps(dict(r, prompt_id=pid, category=category,
-                                                 target_quant=quant)) + "\n" for r in rounds))
+                                                 target_quant=quant, target_bpw=bpw)) + "\n"
+                                 for r in rounds))
                 fh.flush()
                 n_written += len(rounds)
                 if progress:

@@ -1,6 +1,7 @@
-"""Draft-then-verify speculative decoding with a fixed draft length gamma.
+"""Draft-then-verify speculative decoding, the draft length chosen each round by a policy
+(``controller.policies``: fixed gamma, baselines, ours).
 
-Each round the draft proposes gamma tokens after the last emitted one, the target scores
+Each round the draft proposes up to gamma tokens after the last emitted one, the target scores
 all of them in one batch, the longest acceptable prefix is kept plus one token from the
 target, and both KV caches are cut back to what was emitted. Greedy decoding is lossless
 (up to the target's batched arithmetic, see tests); sampling uses the standard rejection
@@ -17,6 +18,7 @@ from ..config import SamplingConfig
 from .sampling import probs
 from .sequence import Sequence
 from .steps import Step
+from ..controller.policies import DraftPolicy, FixedGamma
 
 
 def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
@@ -46,60 +48,85 @@ def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
 
 def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
     """(top-1 probability, entropy in nats) of the draft's full softmax."""
-    z = logits.astype(np.float64) - logits.max()
-    p = np.exp(z)
-    p /= p.sum()
-    nz = p[p > 0]
-    return float(p.max()), float(-(nz * np.log(nz)).sum())
+    z = logits.astype(np.float32) - np.float32(logits.max())
+    e = np.exp(z)
+    total = float(e.sum())
+    # entropy = log S - sum(e * z) / S, without forming p
+    return 1.0 / total, float(np.log(total) - float(e @ z) / total)
 
 
-def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], gamma: int,
+def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: DraftPolicy | int,
                   sampling: SamplingConfig,
                   trace: Callable[[dict], None] | None = None) -> Iterator[Step]:
-    """Speculative decoding with draft length gamma. ``trace``, if given, receives one record
-    per round (the draft's top-1 probability and entropy per drafted token, the accepted
+    """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
+    a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
+    model is only brought up to date (one batch) when a round drafts again, so a policy that
+    never drafts costs exactly plain decoding. ``trace``, if given, receives one record per
+    drafted round (the draft's top-1 probability and entropy per drafted token, the accepted
     count, draft and verify seconds): the profiling data of a draft-length controller."""
+    if isinstance(policy, int):
+        policy = FixedGamma(policy)
     clock = time.perf_counter
     rng = np.random.default_rng(sampling.seed)
     greedy = sampling.greedy
+    confidence = policy.needs_confidence or trace is not None
 
     def pick(dist: np.ndarray) -> int:
         return int(np.argmax(dist)) if greedy else int(rng.choice(len(dist), p=dist))
 
     t0 = clock()
-    first = probs(tgt.prefill(prompt), sampling)
-    dft.prefill(prompt)
-    token = pick(first)
+    token = pick(probs(tgt.prefill(prompt), sampling))
     yield Step(token=token, timings={"prefill": clock() - t0})
-    pending = [token]  # emitted tokens the draft has not seen yet
     while True:
         base_t = len(tgt.tokens)
         t0 = clock()
+        g_max = policy.plan()
+        t_ctl = clock() - t0
         draft, q, conf = [], [], []
-        lg = dft.feed(pending)
-        for i in range(gamma):
-            if trace is not None:
-                conf.append(draft_confidence(lg))
-            dist = probs(lg, sampling)
-            draft.append(pick(dist))
-            q.append(dist)
-            if i < gamma - 1:
+        if g_max > 0:
+            # catch the draft up on everything emitted since it last ran (one batch)
+            lg = dft.prefill(tgt.tokens + [token])
+            for i in range(g_max):
+                if confidence:
+                    top1, ent = draft_confidence(lg)
+                    tc = clock()
+                    ok = policy.keep(i, top1, ent)
+                    t_ctl += clock() - tc
+                    if not ok:
+                        break
+                    conf.append((top1, ent))
+                dist = probs(lg, sampling)
+                draft.append(pick(dist))
+                q.append(dist)
+                if i == g_max - 1:
+                    break
+                tc = clock()
+                go_on = policy.more(i)
+                t_ctl += clock() - tc
+                if not go_on:
+                    break
                 lg = dft.feed([draft[-1]])
         t1 = clock()
-        logits = tgt.feed([token] + draft, all_logits=True)
-        p = np.stack([probs(row, sampling) for row in logits])
-        n_acc, nxt = accept_drafts(draft, q, p, rng, greedy)
-        # keep what was emitted: the target holds token + accepted drafts, the draft too
-        tgt.rewind(base_t + 1 + n_acc)
-        dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
-        pending = draft[len(dft.tokens) - base_t - 1:n_acc] + [nxt]
+        if not draft:  # a plain step
+            nxt = pick(probs(tgt.feed([token]), sampling))
+            n_acc = 0
+        else:
+            logits = tgt.feed([token] + draft, all_logits=True)
+            p = np.stack([probs(row, sampling) for row in logits])
+            n_acc, nxt = accept_drafts(draft, q, p, rng, greedy)
+            # keep what was emitted: the target holds token + accepted drafts, the draft too
+            tgt.rewind(base_t + 1 + n_acc)
+            dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
         t2 = clock()
-        if trace is not None:
-            trace({"gamma": gamma, "draft_top1": [c[0] for c in conf],
-                   "draft_entropy": [c[1] for c in conf], "n_accept": n_acc,
+        policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf])
+        t_ctl += clock() - t2
+        if trace is not None and draft:
+            trace({"gamma": len(draft), "draft_top1": [round(c[0], 5) for c in conf],
+                   "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,
                    "t_draft": t1 - t0, "t_verify": t2 - t1})
         for tok in draft[:n_acc]:
             yield Step(token=tok, source="draft")
-        yield Step(token=nxt, n_drafted=gamma, n_accept=n_acc,
-                   timings={"draft": t1 - t0, "verify": t2 - t1})
+        timings = {"draft": t1 - t0 - t_ctl, "verify": t2 - t1, "control": t_ctl} if draft \
+            else {"decode": t2 - t1, "control": t_ctl}
+        yield Step(token=nxt, n_drafted=len(draft), n_accept=n_acc, timings=timings)
         token = nxt

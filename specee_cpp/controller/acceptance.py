@@ -1,0 +1,149 @@
+"""Acceptance models fitted on `specee-cpp profile` records (dev prompts only).
+
+Round model (SpecKV's controller): features of the previous drafted round (mean and max
+entropy, mean and min top-1 probability of the draft, its acceptance rate), the target's
+compression level (bits per weight) and a candidate gamma -> the fraction of those gamma
+tokens the target will accept. One hidden layer of 16, as in SpecKV.
+
+Token model (for the per-token stop rule): a drafted token's top-1 probability and entropy,
+its position and the compression level -> the probability that it is accepted given that
+the tokens before it were.
+
+Greedy acceptance of the first g tokens of a round depends only on those tokens, so a round
+profiled at gamma G also gives the labels of every g < G (min(accepted, g) / g).
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..ee.predictor import train_mlp
+from ..errors import SpeceeError
+
+MODEL_VERSION = 1
+N_ROUND_FEATURES = 6   # mean/max entropy, mean/min top-1, last acceptance rate, bits/weight
+
+
+def round_stats(top1: list[float], entropy: list[float], n_accept: int) -> list[float]:
+    """The five draft-side features of a drafted round (compression level added later)."""
+    return [float(np.mean(entropy)), float(np.max(entropy)), float(np.mean(top1)),
+            float(np.min(top1)), n_accept / len(top1)]
+
+
+def _forward(net: tuple, X: np.ndarray) -> np.ndarray:
+    mu, sigma, W1, b1, W2, b2 = net
+    h = np.maximum(((X - mu) / sigma) @ W1 + b1, 0.0)
+    return 1.0 / (1.0 + np.exp(-(h @ W2 + b2)))
+
+
+@dataclass
+class AcceptanceModel:
+    round_net: tuple
+    token_net: tuple
+    prior: list[float]            # round features before any draft: the training mean
+    meta: dict = field(default_factory=dict)
+
+    def rates(self, feats: list[float], gammas: np.ndarray) -> np.ndarray:
+        """Predicted acceptance rate for each candidate gamma (one batched forward)."""
+        g = np.asarray(gammas, dtype=np.float64)
+        X = np.column_stack([np.tile(feats, (len(g), 1)), g])
+        return _forward(self.round_net, X)
+
+    def token_p(self, top1: float, entropy: float, pos: int, bpw: float) -> float:
+        return float(_forward(self.token_net, np.array([[top1, entropy, pos, bpw]]))[0])
+
+    # -- persistence ----------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        arrays = {f"r{i}": np.asarray(a, dtype=np.float32) for i, a in enumerate(self.round_net)}
+        arrays |= {f"t{i}": np.asarray(a, dtype=np.float32) for i, a in enumerate(self.token_net)}
+        meta = dict(self.meta, version=MODEL_VERSION, prior=self.prior)
+        tmp = path.with_name(path.name + ".partial.npz")
+        np.savez_compressed(tmp, meta=np.array(json.dumps(meta)), **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> AcceptanceModel:
+        path = Path(path)
+        if not path.is_file():
+            raise SpeceeError(f"draft-length controller not found: {path}")
+        try:
+            with np.load(path) as z:
+                meta = json.loads(str(z["meta"]))
+                rnet = tuple(z[f"r{i}"].astype(np.float64) for i in range(6))
+                tnet = tuple(z[f"t{i}"].astype(np.float64) for i in range(6))
+        except (OSError, ValueError, KeyError) as e:
+            raise SpeceeError(f"not a draft-length controller file: {path} ({e})") from None
+        if meta.get("version") != MODEL_VERSION:
+            raise SpeceeError(f"controller {path} has version {meta.get('version')}; this build "
+                              f"needs {MODEL_VERSION}: refit with specee-cpp fit-controller")
+        return cls(round_net=rnet, token_net=tnet, prior=list(meta["prior"]), meta=meta)
+
+
+# -- data ----------------------------------------------------------------------------------
+
+def rounds_by_run(records: list[dict]) -> dict[tuple, list[dict]]:
+    """Profile records grouped by generation (prompt, gamma, target), in decoding order."""
+    runs: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        runs[(r["prompt_id"], r["gamma"], r.get("target_quant"), r.get("target_bpw"))].append(r)
+    return runs
+
+
+def round_dataset(records: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(features + candidate gamma, acceptance rate) pairs: the features of each round's
+    predecessor, labels of the round itself for every g up to its gamma."""
+    X, y = [], []
+    for (_, gamma, _, bpw), rounds in rounds_by_run(records).items():
+        for prev, cur in zip(rounds, rounds[1:]):
+            feats = round_stats(prev["draft_top1"], prev["draft_entropy"], prev["n_accept"]) + [bpw]
+            for g in range(1, cur["gamma"] + 1):
+                X.append(feats + [g])
+                y.append(min(cur["n_accept"], g) / g)
+    return np.array(X), np.array(y)
+
+
+def token_dataset(records: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(top-1, entropy, position, bits/weight) of each drafted token the target judged
+    (those up to the first rejection) -> accepted."""
+    X, y = [], []
+    for r in records:
+        for j in range(min(r["n_accept"] + 1, r["gamma"])):
+            X.append([r["draft_top1"][j], r["draft_entropy"][j], j, r["target_bpw"]])
+            y.append(float(j < r["n_accept"]))
+    return np.array(X), np.array(y)
+
+
+def _ignore_constant(net: tuple) -> tuple:
+    """A feature that never varied in training (e.g. one quantization level profiled) has a
+    near-zero scale; zero its weights so that another value at run time is ignored instead
+    of being blown up by 1 / sigma."""
+    mu, sigma, W1, b1, W2, b2 = net
+    const = sigma < 1e-3
+    W1 = np.where(const[:, None], 0.0, W1)
+    return mu, np.where(const, 1.0, sigma), W1, b1, W2, b2
+
+
+def fit(records: list[dict], hidden: int = 16, epochs: int = 80, seed: int = 0,
+        meta: dict | None = None) -> AcceptanceModel:
+    """Fit both models on profile records (which must carry ``target_bpw``)."""
+    missing = [r for r in records if "target_bpw" not in r]
+    if missing:
+        raise SpeceeError(f"{len(missing)} profile records lack target_bpw; re-profile with "
+                          f"this version of specee-cpp profile")
+    Xr, yr = round_dataset(records)
+    Xt, yt = token_dataset(records)
+    if len(Xr) < 50 or len(Xt) < 50:
+        raise SpeceeError(f"too few profile rounds to fit a controller ({len(Xr)} round and "
+                          f"{len(Xt)} token samples); profile more prompts")
+    rnet = _ignore_constant(train_mlp(Xr, yr, hidden=hidden, epochs=epochs, seed=seed))
+    tnet = _ignore_constant(train_mlp(Xt, yt, hidden=hidden, epochs=epochs, seed=seed))
+    prior = Xr[:, :N_ROUND_FEATURES].mean(axis=0).tolist()
+    quants = sorted({(r.get("target_quant"), r["target_bpw"]) for r in records})
+    info = {"n_round_samples": len(Xr), "n_token_samples": len(Xt),
+            "quants": [[q, b] for q, b in quants], "hidden": hidden}
+    return AcceptanceModel(rnet, tnet, prior, dict(meta or {}, **info))

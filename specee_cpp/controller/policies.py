@@ -1,0 +1,220 @@
+"""Draft-length policies: one interface, consulted by ``generate_spec`` every round.
+
+    plan()                 -> most tokens to draft this round (0: a plain decoding step)
+    keep(i, top1, entropy) -> after drafting token i: keep it, or drop it and stop
+    more(i)                -> after keeping token i: draft token i + 1?
+    update(drafted, accepted, top1s, entropies) after the target's verdict
+
+``needs_confidence`` says whether keep/update read the draft's top-1 probability and
+entropy (a softmax over the vocabulary per drafted token, skipped when no policy reads it).
+
+Ours are cost-aware: they maximise expected tokens per second with the measured per-machine
+cost model (``engine.cost``), so gamma 0 is chosen wherever drafting cannot pay, which on a
+2-core CPU with a 0.5B draft is everywhere. SpecKV's objective (tokens per step) and the
+fixed/heuristic rules ignore cost; they are here as baselines.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..engine.cost import CostModel
+from ..errors import SpeceeError
+from .acceptance import AcceptanceModel, round_stats
+
+
+class DraftPolicy:
+    name = "policy"
+    needs_confidence = False
+    plan_is_plain = False   # True: plan() is always 0, so plain decoding can run instead
+
+    def plan(self) -> int:
+        raise NotImplementedError
+
+    def keep(self, i: int, top1: float, entropy: float) -> bool:
+        return True
+
+    def more(self, i: int) -> bool:
+        """After keeping token i: draft token i + 1 (within plan()'s budget)?"""
+        return True
+
+    def update(self, n_drafted: int, n_accept: int, top1: list[float],
+               entropy: list[float]) -> None:
+        pass
+
+
+class FixedGamma(DraftPolicy):
+    def __init__(self, gamma: int):
+        self.gamma, self.name = gamma, f"fixed-{gamma}"
+        self.plan_is_plain = gamma == 0
+
+    def plan(self) -> int:
+        return self.gamma
+
+
+class PMinRule(DraftPolicy):
+    """llama.cpp's draft-simple rule: draft up to n_max, stop at the first token whose
+    draft probability is below p_min (that token is not drafted)."""
+
+    needs_confidence = True
+
+    def __init__(self, n_max: int = 8, p_min: float = 0.75):
+        self.n_max, self.p_min, self.name = n_max, p_min, f"pmin-{p_min:g}-max{n_max}"
+
+    def plan(self) -> int:
+        return self.n_max
+
+    def keep(self, i: int, top1: float, entropy: float) -> bool:
+        return top1 >= self.p_min
+
+
+class HFHeuristic(DraftPolicy):
+    """Hugging Face assisted generation's "heuristic" schedule: +2 after a round whose
+    drafts were all accepted, -1 otherwise (at least 1)."""
+
+    name = "hf-heuristic"
+
+    def __init__(self, start: int = 4, n_max: int = 16):
+        self.n, self.n_max = start, n_max
+
+    def plan(self) -> int:
+        return self.n
+
+    def update(self, n_drafted, n_accept, top1, entropy) -> None:
+        if n_drafted:
+            self.n = min(self.n + 2, self.n_max) if n_accept == n_drafted else max(1, self.n - 1)
+
+
+class _RoundModelPolicy(DraftPolicy):
+    """Shared by the SpecKV objective and ours: predicted acceptance rate per candidate
+    gamma from the last drafted round's statistics."""
+
+    needs_confidence = True
+
+    def __init__(self, model: AcceptanceModel, bpw: float, gammas=range(1, 9)):
+        self.model, self.bpw = model, bpw
+        self.gammas = np.array(list(gammas))
+        self.feats = list(model.prior[:5]) + [bpw]
+
+    def update(self, n_drafted, n_accept, top1, entropy) -> None:
+        if n_drafted:
+            self.feats = round_stats(top1[:n_drafted], entropy[:n_drafted], n_accept) + [self.bpw]
+
+
+class SpecKVObjective(_RoundModelPolicy):
+    """SpecKV: the gamma maximising predicted tokens per step, rate * gamma + 1."""
+
+    name = "speckv"
+
+    def plan(self) -> int:
+        rates = self.model.rates(self.feats, self.gammas)
+        return int(self.gammas[np.argmax(rates * self.gammas + 1)])
+
+
+class CostAwareGamma(_RoundModelPolicy):
+    """Ours: the gamma (0 included) maximising expected tokens per second,
+    (1 + rate(g) * g) / (g * draft_cost + verify_cost(g + 1)).
+
+    A plain step teaches nothing about the draft, so after ``explore_every`` plain steps one
+    single-token draft refreshes the statistics, but only where some gamma could beat plain
+    at all (acceptance 1 at the cost model's prices); on this CPU none can, so it never
+    drafts and costs nothing.
+    """
+
+    name = "ours-gamma"
+
+    def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float,
+                 gammas=range(1, 9), explore_every: int = 16):
+        super().__init__(model, bpw, gammas)
+        self.costs = costs
+        self.explore_every = explore_every
+        g = self.gammas
+        self.time = np.array([k * costs.draft_token_s + costs.verify(k + 1) for k in g])
+        self.plain_tps = 1.0 / costs.verify(1)
+        self.can_pay = bool(np.max((g + 1) / self.time) > self.plain_tps)
+        self.plan_is_plain = not self.can_pay
+        self.n_plain = 0
+
+    def plan(self) -> int:
+        if not self.can_pay:
+            return 0
+        tps = (1.0 + self.model.rates(self.feats, self.gammas) * self.gammas) / self.time
+        best = int(np.argmax(tps))
+        if tps[best] > self.plain_tps:
+            self.n_plain = 0
+            return int(self.gammas[best])
+        self.n_plain += 1
+        if self.n_plain >= self.explore_every:
+            self.n_plain = 0
+            return 1
+        return 0
+
+
+class CostAwareStop(DraftPolicy):
+    """Ours, per token: after each drafted token, keep it while the round's expected tokens
+    per second still rise, using the token model's acceptance probability.
+
+    Keeping token i adds P(tokens 0..i all accepted) expected tokens for one more verified
+    position; drafting token i+1 adds its draft cost as well, and is only tried if the
+    optimistic estimate (same acceptance as token i) still pays.
+    """
+
+    name = "ours-stop"
+    needs_confidence = True
+
+    def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float, n_max: int = 8):
+        self.model, self.costs, self.bpw, self.n_max = model, costs, bpw, n_max
+        c, v = costs.draft_token_s, costs.verify
+        # drafting can pay at all only if sure tokens beat a plain step at some length
+        self.can_pay = any((k + 1) / (k * c + v(k + 1)) > 1.0 / v(1) for k in range(1, n_max + 1))
+        self.plan_is_plain = not self.can_pay
+
+    def plan(self) -> int:
+        if not self.can_pay:
+            return 0
+        self._tokens, self._time, self._p_all = 1.0, self.costs.verify(1), 1.0
+        self._time += self.costs.draft_token_s   # the first drafted token is paid for
+        return self.n_max
+
+    def keep(self, i: int, top1: float, entropy: float) -> bool:
+        v = self.costs.verify
+        p = self.model.token_p(top1, entropy, i, self.bpw)
+        p_all = self._p_all * p
+        dv = v(i + 2) - v(i + 1)
+        # the draft cost of token i is spent either way: compare with and without it
+        if (self._tokens + p_all) / (self._time + dv) <= self._tokens / self._time:
+            return False
+        self._tokens, self._time, self._p_all = self._tokens + p_all, self._time + dv, p_all
+        self._p_next = p_all * p   # optimistic: the next token as likely as this one
+        return True
+
+    def more(self, i: int) -> bool:
+        v, c = self.costs.verify, self.costs.draft_token_s
+        cost = c + v(i + 3) - v(i + 2)
+        if (self._tokens + self._p_next) / (self._time + cost) <= self._tokens / self._time:
+            return False
+        self._time += c
+        return True
+
+
+def make_policy(name: str, *, model: AcceptanceModel | None = None,
+                costs: CostModel | None = None, bpw: float = 0.0) -> DraftPolicy:
+    """A policy by name: an integer (fixed gamma), pmin, hf, speckv, auto (ours: cost-aware
+    gamma) or stop (ours: cost-aware per-token stop rule)."""
+    if name.isdigit():
+        return FixedGamma(int(name))
+    if name == "pmin":
+        return PMinRule()
+    if name == "hf":
+        return HFHeuristic()
+    needs = {"speckv": (model,), "auto": (model, costs), "stop": (model, costs)}
+    if name not in needs:
+        raise SpeceeError(f"unknown draft-length policy {name!r}; use a number, pmin, hf, "
+                          f"speckv, auto or stop")
+    if any(x is None for x in needs[name]):
+        raise SpeceeError(f"policy {name} needs a fitted controller"
+                          + (" and a cost model" if name != "speckv" else ""))
+    if name == "speckv":
+        return SpecKVObjective(model, bpw)
+    if name == "auto":
+        return CostAwareGamma(model, costs, bpw)
+    return CostAwareStop(model, costs, bpw)

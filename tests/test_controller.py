@@ -1,0 +1,167 @@
+"""Draft-length control: the policies' rules, the acceptance models' fit, the replay, and
+greedy losslessness of every policy on a real model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specee_cpp.config import LoadConfig
+from specee_cpp.controller import acceptance, policies, simulate
+from specee_cpp.engine.cost import CostModel
+from specee_cpp.errors import SpeceeError
+
+# the shape measured on this CPU (specee-cpp costs): draft 0.59 of a target token, verify
+# 2/4/8/16 tokens = 1.68/2.77/6.44/8.34 target tokens
+CPU = CostModel([0.034 * x for x in (1.0, 1.68, 2.27, 2.77, 3.5, 4.15, 4.64, 6.44, 7.05, 7.4,
+                                      8.09, 8.3, 8.39, 9.2, 9.6, 8.34)], 0.593 * 0.034)
+GPU = simulate.gpu_like(CPU, bpw=4.85)
+
+
+def synthetic_records(n_runs: int = 40, gamma: int = 8, bpw: float = 4.85, seed: int = 0,
+                      easy: float = 0.0) -> list[dict]:
+    """Profile-like rounds: a drafted token is accepted with probability top1 (+ easy)."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for run in range(n_runs):
+        for _ in range(12):
+            top1 = rng.uniform(0.1, 1.0, gamma)
+            ent = (1 - top1) * 3
+            acc = 0
+            while acc < gamma and rng.random() < min(top1[acc] + easy, 1.0):
+                acc += 1
+            recs.append({"prompt_id": run, "gamma": gamma, "draft_top1": top1.tolist(),
+                         "draft_entropy": ent.tolist(), "n_accept": acc,
+                         "target_quant": "Q4_K_M", "target_bpw": bpw})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def model():
+    return acceptance.fit(synthetic_records(), epochs=60)
+
+
+def test_baseline_rules():
+    assert policies.FixedGamma(3).plan() == 3 and policies.FixedGamma(0).plan_is_plain
+    pm = policies.PMinRule()
+    assert pm.plan() == 8 and pm.keep(0, 0.8, 0.5) and not pm.keep(0, 0.7, 0.5)
+    hf = policies.HFHeuristic(start=4)
+    hf.update(4, 4, [], [])
+    assert hf.plan() == 6
+    hf.update(6, 2, [], [])
+    assert hf.plan() == 5
+    for _ in range(10):
+        hf.update(1, 0, [], [])
+    assert hf.plan() == 1
+
+
+def test_acceptance_models_learn_confidence(model, tmp_path):
+    # the per-token model ranks a confident draft token above an unsure one
+    assert model.token_p(0.95, 0.15, 0, 4.85) > model.token_p(0.2, 2.4, 0, 4.85) + 0.3
+    # the round rate falls with gamma (each token must survive all before it)
+    r = model.rates(model.prior[:5] + [4.85], np.arange(1, 9))
+    assert r[0] > r[-1]
+    model.save(tmp_path / "c.npz")
+    back = acceptance.AcceptanceModel.load(tmp_path / "c.npz")
+    np.testing.assert_allclose(back.rates(model.prior[:5] + [4.85], [1, 4]),
+                               model.rates(model.prior[:5] + [4.85], [1, 4]), rtol=1e-5)
+    with pytest.raises(SpeceeError, match="not found"):
+        acceptance.AcceptanceModel.load(tmp_path / "missing.npz")
+    with pytest.raises(SpeceeError, match="target_bpw"):
+        acceptance.fit([{k: v for k, v in r.items() if k != "target_bpw"}
+                        for r in synthetic_records(2)])
+
+
+def test_labels_of_shorter_gammas_come_from_longer_rounds():
+    recs = [{"prompt_id": 0, "gamma": 4, "draft_top1": [0.9] * 4, "draft_entropy": [0.1] * 4,
+             "n_accept": a, "target_bpw": 4.0} for a in (4, 2)]
+    X, y = acceptance.round_dataset(recs)
+    assert X[:, -1].tolist() == [1, 2, 3, 4]            # candidate gammas of round 2
+    assert y.tolist() == [1.0, 1.0, 2 / 3, 0.5]          # min(2, g) / g
+    assert X[0, 4] == 1.0                                # round 1's acceptance rate
+    Xt, yt = acceptance.token_dataset(recs)
+    assert yt.tolist() == [1, 1, 1, 1, 1, 1, 0]          # 4 accepted; 2 accepted + 1 rejected
+
+
+def test_cost_aware_policies_follow_the_costs(model):
+    cpu = policies.CostAwareGamma(model, CPU, 4.85)
+    assert cpu.plan_is_plain and cpu.plan() == 0           # nothing can pay on this CPU
+    assert policies.CostAwareStop(model, CPU, 4.85).plan_is_plain
+    gpu = policies.CostAwareGamma(model, GPU, 4.85)
+    assert not gpu.plan_is_plain and gpu.plan() >= 2       # drafting is cheap there
+    stop = policies.CostAwareStop(model, GPU, 4.85)
+    assert stop.plan() == 8
+    assert stop.keep(0, 0.99, 0.05) and stop.more(0)
+    assert not stop.keep(1, 0.02, 6.0)                     # a hopeless token is dropped
+    with pytest.raises(SpeceeError, match="unknown draft-length policy"):
+        policies.make_policy("often")
+    with pytest.raises(SpeceeError, match="needs a fitted controller"):
+        policies.make_policy("auto")
+
+
+def test_replay_arithmetic():
+    recs = [{"prompt_id": 0, "gamma": 4, "draft_top1": [0.9] * 4, "draft_entropy": [0.1] * 4,
+             "n_accept": a, "target_bpw": 4.0} for a in (4, 1)]
+    costs = CostModel([1.0, 1.5, 2.0, 2.5, 3.0], 0.5)
+    r = simulate.replay(recs, lambda: policies.FixedGamma(2), costs)
+    # round 1: 2 drafted, 2 accepted -> 3 tokens; round 2: 1 accepted -> 2 tokens
+    assert (r.tokens, r.drafted, r.accepted) == (5, 4, 3)
+    assert r.seconds == pytest.approx(2 * (2 * 0.5 + 2.0))
+    assert r.speedup == pytest.approx(5 / 6)
+    plain = simulate.replay(recs, lambda: policies.FixedGamma(0), costs)
+    assert plain.speedup == pytest.approx(1.0)
+
+
+def test_replay_ranks_policies_by_machine(model):
+    recs = synthetic_records(n_runs=6, seed=3, easy=0.2)
+    auto_cpu = simulate.replay(recs, lambda: policies.CostAwareGamma(model, CPU, 4.85), CPU)
+    fixed_cpu = simulate.replay(recs, lambda: policies.FixedGamma(4), CPU)
+    assert auto_cpu.speedup == pytest.approx(1.0) and fixed_cpu.speedup < 1.0
+    auto_gpu = simulate.replay(recs, lambda: policies.CostAwareGamma(model, GPU, 4.85), GPU)
+    assert auto_gpu.speedup > 1.2 and auto_gpu.mean_gamma > 1
+
+
+@pytest.fixture(scope="module")
+def pair(small_model):
+    from specee_cpp.engine.llm import LLM
+
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
+        yield llm
+
+
+@pytest.mark.model
+def test_every_policy_is_lossless(pair, model):
+    make = [lambda: policies.PMinRule(), lambda: policies.HFHeuristic(),
+            lambda: policies.SpecKVObjective(model, 4.85),
+            lambda: policies.CostAwareGamma(model, GPU, 4.85),
+            lambda: policies.CostAwareStop(model, GPU, 4.85)]
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.engine.speculative import generate_spec
+    from specee_cpp.engine.steps import stream
+
+    for prompt in ("Write a Python function that reverses a string.", "def fib(n):"):
+        plain = pair.generate(prompt, max_tokens=32)
+        toks = pair.prompt_tokens(prompt)
+        for mk in make:
+            pol = mk()
+            pair.reset()
+            steps = stream(generate_spec(pair.tgt.seq, pair.dft.seq, toks, pol, SamplingConfig()),
+                           piece=pair.model.token_to_piece, is_eog=pair.model.is_eog,
+                           max_tokens=32, n_prompt=len(toks))
+            out = [s for s in steps]
+            got = [s.token for s in out if s.finish_reason != "stop"]
+            assert got == plain.tokens, (prompt, pol.name)
+            st = out[-1].stats
+            assert st.n_drafted > 0 and "control" in st.timings, pol.name
+
+
+@pytest.mark.model
+def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
+    model.save(tmp_path / "ctl.npz")
+    pair.controller_file = str(tmp_path / "ctl.npz")
+    pair._controller = None
+    pair._costs = CPU          # the shape measured on this machine: drafting cannot pay
+    res = pair.generate("def fib(n):", max_tokens=24, mode="spec", gamma="auto")
+    assert res.tokens == pair.generate("def fib(n):", max_tokens=24).tokens
+    assert res.stats.n_drafted == 0
+    with pytest.raises(SpeceeError, match="unknown draft-length policy"):
+        pair.generate("x", max_tokens=2, mode="spec", gamma="sometimes")
