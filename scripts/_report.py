@@ -7,16 +7,10 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 
 def write_section(heading: str, body: str, path: Path = BENCHMARKS) -> None:
-    """Write ``## heading`` + body, replacing an existing section of that heading."""
-    section = f"## {heading}\n\n{body.strip()}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table states the command that produced it; speeds are ratios taken in the same run.\n"
-    start = text.find(f"## {heading}")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    """Write ``## heading`` + body into docs/BENCHMARKS.md, replacing that section."""
+    from specee_cpp.bench.report import write_section as write
+
+    write(path, heading, body)
 
 
 def ee_configs(spec: str) -> dict:

@@ -87,6 +87,13 @@ def main() -> int:
     return 0
 
 
+def publish(heading: str, body: str) -> None:
+    from specee_cpp.bench.report import write_section
+
+    write_section(REPO / "docs" / "BENCHMARKS.md", heading, body)
+    print(body)
+
+
 def simulate(files: dict, profiles: list[Path], ns) -> None:
     """Cross-fitted replay of every policy at every level, on this machine's measured costs
     and on a GPU-like cost shape."""
@@ -126,6 +133,7 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
             v1 = costs.verify(1)
             rows[machine].append(f"| {t} | {bpw:.2f} | {costs.draft_token_s / v1:.2f} | "
                                  f"{costs.verify(5) / v1:.2f} | " + " | ".join(cells) + " |")
+    overhead = decision_overhead(models[0], per_level)
     head = ("| target | bits/weight | draft / target token | verify 5 / 1 | "
             + " | ".join(f"gamma {p}" if p.isdigit() else p for p in POLICIES) + " |")
     sep = "|" + "---|" * (head.count("|") - 1)
@@ -137,14 +145,32 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
             f"plain decoding (mean drafted tokens per round). Costs: this machine's measured "
             f"cost model per level, and a GPU-like shape with the same single-token time: "
             f"verify n tokens = 1 + 0.02 (n - 1) target tokens, a draft token 0.1 of a Q4_K_M "
-            f"target token (larger relative to a more compressed target). "
+            f"target token (larger relative to a more compressed target). Decision "
+            f"overhead (this machine, mean of 2000 calls): {overhead}. "
             f"{time.strftime('%Y-%m-%d')}.\n\n"
             + "\n\n".join(f"{m}:\n\n{head}\n{sep}\n" + "\n".join(r) for m, r in rows.items()))
-    from specee_cpp.bench.report import write_section
+    publish("Draft-length controller: simulation per quantization level", body)
 
-    write_section(REPO / "docs" / "BENCHMARKS.md",
-                  "Draft-length controller: simulation per quantization level", body)
-    print(body)
+
+def decision_overhead(model, per_level: dict) -> str:
+    """Microseconds per decision of our policies where they do decide (GPU-like costs)."""
+    from specee_cpp.controller import policies, simulate as sim
+
+    recs, costs, bpw = next(iter(per_level.values()))
+    gpu = sim.gpu_like(costs, bpw)
+    auto = policies.CostAwareGamma(model, gpu, bpw)
+    stop = policies.CostAwareStop(model, gpu, bpw)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        auto.plan()
+    t1 = time.perf_counter()
+    for _ in range(n):
+        stop.plan()
+        stop.keep(0, 0.9, 0.3)
+    t2 = time.perf_counter()
+    return (f"auto plan() {1e6 * (t1 - t0) / n:.0f} us, stop plan()+keep() "
+            f"{1e6 * (t2 - t1) / n:.0f} us")
 
 
 def measure(files: dict, ns) -> None:
@@ -170,11 +196,7 @@ def measure(files: dict, ns) -> None:
             f"messages over 256 tokens cut in the middle, configurations interleaved; raw "
             f"records in `docs/bench/ladder-*.json`). Decode speed vs plain in the same run. "
             f"{time.strftime('%Y-%m-%d')}.\n\n{head}\n{sep}\n" + "\n".join(rows))
-    from specee_cpp.bench.report import write_section
-
-    write_section(REPO / "docs" / "BENCHMARKS.md",
-                  "Draft-length controller: measured per quantization level", body)
-    print(body)
+    publish("Draft-length controller: measured per quantization level", body)
 
 
 if __name__ == "__main__":

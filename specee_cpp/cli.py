@@ -423,7 +423,10 @@ def bench(
                         per_category=per_category, max_tokens=max_tokens,
                         max_prompt_tokens=max_prompt_tokens, exclude_calibration=exclude_calibration, out=out_prefix,
                         threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh)
-    command = "specee-cpp bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    import shlex
+
+    argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+    command = "specee-cpp bench " + shlex.join(argv)
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
                   console=err) as bar:

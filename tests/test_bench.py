@@ -216,3 +216,31 @@ def test_long_prompts_are_cut_in_the_middle(small_llm):
     assert " [...] " in short.text
     assert len(small_llm.model.tokenize(short.text, add_special=False)) <= 48
     assert shorten(p, small_llm.model, 0) is p
+
+
+@pytest.mark.model
+def test_interrupted_run_keeps_and_reports_what_was_measured(small_model, tmp_path, monkeypatch):
+    from specee_cpp.bench import runner as runner_mod
+    from specee_cpp.bench.suite import BenchOptions, run
+
+    f = _jsonl(tmp_path / "p.jsonl", [{"category": c, "turns": [f"Say {c} twice."]}
+                                      for c in ("qa", "rag", "translation")])
+    opts = BenchOptions(model=str(small_model), draft=None, prompts=str(f), configs="plain",
+                        per_category=1, max_tokens=6, exclude_calibration=0,
+                        out=str(tmp_path / "r"), threads=2, n_ctx=512)
+    real = runner_mod.Runner.measure
+    calls = []
+
+    def flaky(self, c, p):
+        calls.append(p.id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, c, p)
+
+    monkeypatch.setattr(runner_mod.Runner, "measure", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run(opts, "x")
+    assert len(load_records(tmp_path / "r.jsonl")) == 2
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
+    monkeypatch.setattr(runner_mod.Runner, "measure", real)
+    assert run(opts, "x")["prompts"] == 3          # the rerun measures only what is missing

@@ -120,3 +120,30 @@ def test_chat_ctrl_c_stops_reply_not_session(small_model):
             p.kill()
     assert p.returncode == 0, errs
     assert "reply stopped" in errs and "Traceback" not in errs
+
+
+@pytest.mark.model
+def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
+    """The controller workflow as a user runs it: profile -> fit-controller -> --gamma auto."""
+    prompts = tmp_path / "dev.jsonl"
+    prompts.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in [
+        ("coding", "Write a Python function that sums a list."),
+        ("qa", "Name three colours of the rainbow."),
+        ("math_reasoning", "What is 12 times 7? Explain step by step.")]))
+    prof = tmp_path / "prof.jsonl"
+    r = run("profile", small_model, "--draft", small_model, "--prompts", prompts, "-o", prof,
+            "--gammas", "1,8", "--n-prompts", "0", "--per-category", "1", "-n", "32")
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in prof.read_text().splitlines()]
+    assert {x["gamma"] for x in recs} <= {1, 8} and all(x["target_bpw"] > 4 for x in recs)
+    ctl = tmp_path / "ctl.npz"
+    r = run("fit-controller", prof, "--draft", small_model, "--target", small_model, "-o", ctl)
+    assert r.returncode == 0, r.stderr
+    assert ctl.is_file() and "acceptance-rate MAE" in r.stderr
+    r = run("generate", small_model, "--draft", small_model, "--mode", "spec", "--gamma", "auto",
+            "--controller", ctl, "-p", "def add(a, b):", "--raw", "-n", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    plain = run("generate", small_model, "-p", "def add(a, b):", "--raw", "-n", "16", "--json")
+    assert json.loads(r.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
+    assert_one_line_error(run("generate", small_model, "--draft", small_model, "--mode", "spec",
+                              "--gamma", "often", "-p", "x"), "unknown draft-length policy")

@@ -21,6 +21,7 @@ class BenchPrompt:
     category: str
     text: str
     chat: bool = True            # apply the chat template
+    source_category: str = ""    # the file's own category (before MT-Bench's are grouped)
     stop: tuple[str, ...] = ()
     task: dict = field(default_factory=dict, compare=False)  # HumanEval problem, for pass@1
 
@@ -43,8 +44,8 @@ def load_spec_bench(path: Path) -> list[BenchPrompt]:
             cat = str(rec.get("category", "?"))
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise SpeceeError(f"{path}:{i}: not a Spec-Bench record ({e})") from None
-        out.append(BenchPrompt(id=f"{path.stem}:{i}",
-                               category="mt_bench" if cat in MT_BENCH else cat, text=turn))
+        out.append(BenchPrompt(id=f"{path.stem}:{i}", category="mt_bench" if cat in MT_BENCH
+                               else cat, text=turn, source_category=cat))
     if not out:
         raise SpeceeError(f"no prompts in {path}")
     return out

@@ -66,6 +66,7 @@ def summarize(records: list[dict], configs: list[BenchConfig]) -> dict:
         entry["common_prefix"] = (sum(common_prefix(r["text"], q["text"]) for r, q in zip(recs, plain))
                                   / len(recs)) if recs else None
         entry["lossless"] = c.lossless
+        entry["kind"] = c.kind
         entry["describe"] = c.describe
         per_cat = {}
         for cat in sorted(set(cats.values())):
@@ -110,10 +111,31 @@ def markdown(summary: dict, command: str, settings: str) -> str:
                      + " | ".join(_f(cfgs[n]["categories"][cat]["speedup"], ".3f")
                                   for n in others) + " |")
     legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
+    verdict = best_lines(cfgs)
     return (f"`{command}`\n\n{settings} {summary['prompts']} prompts; "
-            f"{time.strftime('%Y-%m-%d')}.\n\n" + "\n".join(rows)
+            f"{time.strftime('%Y-%m-%d')}.\n\n" + "\n".join(rows) + f"\n\n{verdict}"
             + "\n\nSpeed-up vs plain by category (same run):\n\n" + "\n".join(crows)
             + f"\n\nConfigurations:\n\n{legend}\n")
+
+
+def best_lines(cfgs: dict) -> str:
+    """Our best lossless and lossy configurations against the best peer of the run: the
+    comparison every claim is made on."""
+    def best(names):
+        names = [n for n in names if cfgs[n]["speedup"] is not None]
+        return max(names, key=lambda n: cfgs[n]["speedup"]) if names else None
+
+    ours = [n for n, e in cfgs.items() if e["kind"] == "ours" and n != "plain"]
+    peer = best([n for n, e in cfgs.items() if e["kind"] != "ours"])
+    parts = []
+    for label, names in (("lossless", [n for n in ours if cfgs[n]["lossless"]]),
+                         ("lossy", [n for n in ours if not cfgs[n]["lossless"]])):
+        b = best(names)
+        if b:
+            parts.append(f"our best {label}: `{b}` {cfgs[b]['speedup']:.3f}x")
+    if peer:
+        parts.append(f"best peer: `{peer}` {cfgs[peer]['speedup']:.3f}x")
+    return ("Speed-up vs plain, " + "; ".join(parts) + ".") if parts else ""
 
 
 def write_json(path: Path, command: str, settings: dict, summary: dict, records: list[dict]
@@ -139,7 +161,7 @@ def write_png(path: Path, summary: dict, title: str = "") -> None:
     for i, (name, e) in enumerate(cfgs.items()):
         vals = [e["categories"][c]["speedup"] or 0 for c in cats[:-1]] + [e["speedup"] or 0]
         ax.bar([j + (i - (len(cfgs) - 1) / 2) * width for j in range(len(cats))], vals,
-               width, label=name)
+               width, label=name + ("" if e["lossless"] else " (lossy)"))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(cats)), cats, rotation=20)
     ax.set_ylabel("decode speed-up vs plain")

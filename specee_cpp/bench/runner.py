@@ -77,6 +77,7 @@ class Runner:
                     "n_accept": s.n_accept if c.mode == "spec" else None,
                     "n_exit": n_exit if c.mode == "ee" else None,
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
+                    "control_s": s.timings.get("control", 0.0),
                     "finish_reason": s.finish_reason}
         if c.kind == "pld":
             if self._pld is None:

@@ -132,7 +132,7 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
             if summary["prompts"]:
                 cut = (f", user messages over {opts.max_prompt_tokens} tokens cut in the "
                        f"middle" if opts.max_prompt_tokens else "")
-                settings = (f"{opts.prompts} ({opts.per_category or 'all'} per category"
+                settings = (f"{Path(opts.prompts).name} ({opts.per_category or 'all'} per category"
                             f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
                             f"{cut}), chat template for chat prompts, greedy, {opts.max_tokens} new "
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "

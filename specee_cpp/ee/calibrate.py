@@ -58,24 +58,9 @@ def load_prompts(path: Path) -> list[str]:
 
 def load_prompt_records(path: Path) -> list[tuple[str, str]]:
     """(category, first turn) of each record of a Spec-Bench style JSONL file."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpeceeError(f"prompt file not found: {path}")
-    prompts = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            turn = rec["turns"][0]
-            if not isinstance(turn, str) or not turn:
-                raise ValueError("empty first turn")
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise SpeceeError(f"{path}:{i}: not a prompt record ({e})") from None
-        prompts.append((str(rec.get("category", "?")), turn))
-    if not prompts:
-        raise SpeceeError(f"no prompts in {path}")
-    return prompts
+    from ..bench.prompts import load_spec_bench
+
+    return [(p.source_category, p.text) for p in load_spec_bench(Path(path))]
 
 
 def collect_one(llm: LLM, provider: CandidateProvider, prompt: list[int], layers: list[int],
