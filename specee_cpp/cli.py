@@ -48,9 +48,9 @@ OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
 OptMode = typer.Option("plain", "--mode",
                        help="Decoding strategy: plain, spec (draft then verify) or ee (early exit).")
-OptGamma = typer.Option("4", "--gamma",
-                        help="spec: tokens drafted per round (0: plain), or auto (cost-aware "
-                             "controller), stop (per-token stop rule), pmin, hf, speckv.")
+OptGamma = typer.Option("auto", "--gamma",
+                        help="spec: auto (cost-aware controller; drafts only where it pays), "
+                             "a fixed number of tokens per round, or stop, pmin, hf, speckv.")
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
 OptProvider = typer.Option("draft", "--provider", help="ee candidates: draft or ngram.")
@@ -312,7 +312,7 @@ def fit_controller(
                 except ValueError:
                     raise SpeceeError(f"{f}:{i}: not a JSON record") from None
     pids = sorted({r["prompt_id"] for r in records})
-    held = set(pids[-max(1, len(pids) // 5):])
+    held = set(pids[1::5])   # every fifth prompt, so that held-out spans the task types
     train = [r for r in records if r["prompt_id"] not in held]
     test = [r for r in records if r["prompt_id"] in held]
     with LLM(target, draft=draft, config=_load_config(512, 0, 0)) as llm:

@@ -65,6 +65,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     _spec_simple("lcpp-ngram-simple", "--spec-type", "ngram-simple"),
     _spec_simple("lcpp-ngram-map-k", "--spec-type", "ngram-map-k"),
     _spec_simple("lcpp-ngram-cache", "--spec-type", "ngram-cache"),
+    # llama.cpp's own plain decoding (llama-lookup drafting nothing): the reference for how
+    # far llama.cpp's tools and ours differ numerically (batch shapes, KV size)
+    BenchConfig("lcpp-plain", "llama.cpp", True, tool="llama-lookup",
+                args=("--spec-draft-n-max", "0")),
     BenchConfig("lcpp-lookup", "llama.cpp", True, tool="llama-lookup",
                 args=("--spec-draft-n-max", "4")),
     BenchConfig("lcpp-lookup-static", "llama.cpp", True, tool="llama-lookup",

@@ -205,8 +205,8 @@ class LLM:
             path = Path(self.controller_file) if self.controller_file else self.controller_path()
             if not self.controller_file and not path.is_file():
                 raise SpeceeError(f"no shipped draft-length controller for draft "
-                                  f"{self.dft.model.path.name}; fit one with "
-                                  f"specee-cpp fit-controller")
+                                  f"{self.dft.model.path.name}; pass a fixed --gamma N or fit "
+                                  f"one with specee-cpp fit-controller")
             model = AcceptanceModel.load(path)
             shape = [self.model.info.arch, self.model.n_layer, self.model.n_embd]
             if model.meta.get("target_shape", shape) != shape:
@@ -232,7 +232,7 @@ class LLM:
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
                chat: bool = True, mode: str = "plain", ee: EEConfig = EEConfig(),
-               gamma: int | str = 4) -> Iterator[Step]:
+               gamma: int | str = "auto") -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
         carries ``finish_reason`` and ``stats``. ``gamma`` (mode spec): tokens drafted per
         round, or a policy name (auto, stop, pmin, hf, speckv; see :meth:`draft_policy`)."""

@@ -118,6 +118,7 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
             tgt.rewind(base_t + 1 + n_acc)
             dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
         t2 = clock()
+        t_draft = t1 - t0 - t_ctl   # decisions made while drafting are control, not draft
         policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf])
         t_ctl += clock() - t2
         if trace is not None and draft:
@@ -126,7 +127,9 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
                    "t_draft": t1 - t0, "t_verify": t2 - t1})
         for tok in draft[:n_acc]:
             yield Step(token=tok, source="draft")
-        timings = {"draft": t1 - t0 - t_ctl, "verify": t2 - t1, "control": t_ctl} if draft \
-            else {"decode": t2 - t1, "control": t_ctl}
+        if draft:
+            timings = {"draft": t_draft, "verify": t2 - t1, "control": t_ctl}
+        else:  # a plain step, after a draft whose first token was dropped if g_max > 0
+            timings = {"draft": t_draft, "decode": t2 - t1, "control": t_ctl}
         yield Step(token=nxt, n_drafted=len(draft), n_accept=n_acc, timings=timings)
         token = nxt
