@@ -130,7 +130,7 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
                     rounds += rep.rounds
                     plain_tps = rep.plain_tps
                 cells.append(f"{tokens / seconds / plain_tps:.2f} ({drafted / rounds:.1f})")
-            v1 = costs.verify(1)
+            v1 = costs.plain
             rows[machine].append(f"| {t} | {bpw:.2f} | {costs.draft_token_s / v1:.2f} | "
                                  f"{costs.verify(5) / v1:.2f} | " + " | ".join(cells) + " |")
     overhead = decision_overhead(models[0], per_level)

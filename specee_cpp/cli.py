@@ -350,23 +350,18 @@ def costs(
 ) -> None:
     """Measure (once, then cached) the speculative cost model of a pair and show which draft
     length it would choose at each acceptance rate."""
-    from .engine.cost import CostModel, load_or_measure, measure
+    from .controller.simulate import gpu_like as gpu_shape
     from .engine.llm import LLM
-    from .models.pull import file_sha256
 
-    cfg = _load_config(2048, threads, 0)
-    with LLM(model, draft=draft, config=cfg) as llm:
-        key = (f"{llm.target_sha256()[:12]}-{file_sha256(llm.dft.model.path)[:12]}"
-               f"-t{cfg.threads}")
-        prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
-        with err.status("measuring target batches 1..16 and draft tokens"):
-            cm = load_or_measure(key, lambda: measure(llm.tgt.seq, llm.dft.seq, prompt))
+    with LLM(model, draft=draft, config=_load_config(2048, threads, 0)) as llm:
+        with err.status("measuring target batches 1..16 and draft tokens (once, then cached)"):
+            cm = llm.cost_model()
+        bpw = llm.model.bits_per_weight
     machines = [("this machine", cm)]
     if gpu_like:
-        v1 = cm.verify(1)
-        machines.append(("GPU-like", CostModel([v1 * (1 + 0.02 * i) for i in range(16)], 0.1 * v1)))
+        machines.append(("GPU-like", gpu_shape(cm, bpw)))
     for name, m in machines:
-        v1 = m.verify(1)
+        v1 = m.plain
         err.print(f"[bold]{name}[/bold]: draft token {m.draft_token_s / v1:.2f} of a target "
                   f"token; verify n=2,4,8,16: " + ", ".join(f"{m.verify(n) / v1:.2f}" for n in (2, 4, 8, 16)))
         table = Table(title=f"{name}: best draft length by acceptance")

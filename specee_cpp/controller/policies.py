@@ -3,7 +3,7 @@
     plan()                 -> most tokens to draft this round (0: a plain decoding step)
     keep(i, top1, entropy) -> after drafting token i: keep it, or drop it and stop
     more(i)                -> after keeping token i: draft token i + 1?
-    update(drafted, accepted, top1s, entropies) after the target's verdict
+    update(drafted, accepted, top1s, entropies, seconds) after the target's verdict
 
 ``needs_confidence`` says whether keep/update read the draft's top-1 probability and
 entropy (a softmax over the vocabulary per drafted token, skipped when no policy reads it).
@@ -38,8 +38,8 @@ class DraftPolicy:
         return True
 
     def update(self, n_drafted: int, n_accept: int, top1: list[float],
-               entropy: list[float]) -> None:
-        pass
+               entropy: list[float], seconds: float = 0.0) -> None:
+        """After a round (``n_drafted`` 0: a plain step) that took ``seconds``."""
 
 
 class FixedGamma(DraftPolicy):
@@ -79,9 +79,57 @@ class HFHeuristic(DraftPolicy):
     def plan(self) -> int:
         return self.n
 
-    def update(self, n_drafted, n_accept, top1, entropy) -> None:
+    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0) -> None:
         if n_drafted:
             self.n = min(self.n + 2, self.n_max) if n_accept == n_drafted else max(1, self.n - 1)
+
+
+class Guard:
+    """What rounds really cost, here and now. The cost model is measured once, at a short
+    context, and the acceptance model is fitted on other prompts; either can be optimistic.
+    The guard keeps moving averages of the tokens per second actually reached by drafted
+    rounds and by plain steps (the cost model's plain speed until one is seen); once drafted
+    rounds prove slower than plain, it sends the policy to plain decoding for ``backoff``
+    steps, then lets one drafted round probe again, doubling the wait while probes lose."""
+
+    def __init__(self, plain_tps_prior: float, first_backoff: int = 16,
+                 max_backoff: int = 512, alpha: float = 0.3):
+        self.plain_prior, self.alpha = plain_tps_prior, alpha
+        self.first, self.max = first_backoff, max_backoff
+        self.plain: float | None = None
+        self.drafted: float | None = None
+        self.n_drafted = 0
+        self.backoff, self.wait, self.probing = first_backoff, 0, False
+
+    def _ema(self, old: float | None, x: float) -> float:
+        return x if old is None else old + self.alpha * (x - old)
+
+    def plain_tps(self) -> float:
+        return self.plain if self.plain is not None else self.plain_prior
+
+    def gate(self, want: int) -> int:
+        if self.wait > 0:
+            self.wait -= 1
+            if self.wait == 0:
+                self.probing = True
+            return 0
+        return want
+
+    def observe(self, n_drafted: int, tokens: int, seconds: float) -> None:
+        tps = tokens / seconds
+        if not n_drafted:
+            self.plain = self._ema(self.plain, tps)
+            return
+        self.n_drafted += 1
+        # a probe is judged on its own, not averaged with the rounds that lost before it
+        self.drafted = tps if self.probing else self._ema(self.drafted, tps)
+        losing = self.drafted < self.plain_tps()
+        if losing and (self.probing or self.n_drafted >= 2):
+            self.wait = self.backoff
+            self.backoff = min(2 * self.backoff, self.max)
+        elif self.probing:
+            self.backoff = self.first
+        self.probing = False
 
 
 class _RoundModelPolicy(DraftPolicy):
@@ -90,14 +138,18 @@ class _RoundModelPolicy(DraftPolicy):
 
     needs_confidence = True
 
+    guard: Guard | None = None
+
     def __init__(self, model: AcceptanceModel, bpw: float, gammas=range(1, 9)):
         self.model, self.bpw = model, bpw
         self.gammas = np.array(list(gammas))
         self.feats = list(model.prior[:5]) + [bpw]
 
-    def update(self, n_drafted, n_accept, top1, entropy) -> None:
+    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0) -> None:
         if n_drafted:
             self.feats = round_stats(top1[:n_drafted], entropy[:n_drafted], n_accept) + [self.bpw]
+        if self.guard is not None and seconds > 0:
+            self.guard.observe(n_drafted, n_accept + 1, seconds)
 
 
 class SpecKVObjective(_RoundModelPolicy):
@@ -116,8 +168,9 @@ class CostAwareGamma(_RoundModelPolicy):
 
     A plain step teaches nothing about the draft, so after ``explore_every`` plain steps one
     single-token draft refreshes the statistics, but only where some gamma could beat plain
-    at all (acceptance 1 at the cost model's prices); on this CPU none can, so it never
-    drafts and costs nothing.
+    at all (acceptance 1 at the cost model's prices); with the default pair on this CPU none
+    can at Q4_K_M, so it never drafts and costs nothing. Where the models promise a gain, a
+    :class:`Guard` checks it against the speeds actually reached.
     """
 
     name = "ours-gamma"
@@ -128,11 +181,12 @@ class CostAwareGamma(_RoundModelPolicy):
         self.costs = costs
         self.explore_every = explore_every
         g = self.gammas
-        self.time = np.array([k * costs.draft_token_s + costs.verify(k + 1) for k in g])
-        self.plain_tps = 1.0 / costs.verify(1)
+        self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in g])
+        self.plain_tps = 1.0 / costs.plain
         self.can_pay = bool(np.max((g + 1) / self.time) > self.plain_tps)
         self.plan_is_plain = not self.can_pay
         self.n_plain = 0
+        self.guard = Guard(self.plain_tps)
 
     def plan(self) -> int:
         if not self.can_pay:
@@ -141,11 +195,11 @@ class CostAwareGamma(_RoundModelPolicy):
         best = int(np.argmax(tps))
         if tps[best] > self.plain_tps:
             self.n_plain = 0
-            return int(self.gammas[best])
+            return self.guard.gate(int(self.gammas[best]))
         self.n_plain += 1
         if self.n_plain >= self.explore_every:
             self.n_plain = 0
-            return 1
+            return self.guard.gate(1)
         return 0
 
 
@@ -165,15 +219,21 @@ class CostAwareStop(DraftPolicy):
         self.model, self.costs, self.bpw, self.n_max = model, costs, bpw, n_max
         c, v = costs.draft_token_s, costs.verify
         # drafting can pay at all only if sure tokens beat a plain step at some length
-        self.can_pay = any((k + 1) / (k * c + v(k + 1)) > 1.0 / v(1) for k in range(1, n_max + 1))
+        self.can_pay = any((k + 1) / (costs.draft(k) + v(k + 1)) > 1.0 / costs.plain
+                           for k in range(1, n_max + 1))
         self.plan_is_plain = not self.can_pay
+        self.guard = Guard(1.0 / costs.plain)
 
     def plan(self) -> int:
         if not self.can_pay:
             return 0
-        self._tokens, self._time, self._p_all = 1.0, self.costs.verify(1), 1.0
-        self._time += self.costs.draft_token_s   # the first drafted token is paid for
-        return self.n_max
+        self._tokens, self._time, self._p_all = 1.0, self.costs.plain, 1.0
+        self._time += self.costs.draft(1)   # the first drafted token is paid for
+        return self.guard.gate(self.n_max)
+
+    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0) -> None:
+        if seconds > 0:
+            self.guard.observe(n_drafted, n_accept + 1, seconds)
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
         v = self.costs.verify

@@ -4,7 +4,7 @@ A round profiled at gamma G records the draft's top-1 probability and entropy fo
 its G tokens and how many the target accepted. Under greedy decoding the acceptance of the
 first g tokens depends only on those tokens, so a policy that drafts d <= G tokens in that
 round gets min(accepted, d) + 1 tokens for d * draft_cost + verify(d + 1) seconds (a plain
-step, d = 0: 1 token for verify(1)). Replaying every recorded round in order, each as one
+step: 1 token for the plain token time). Replaying every recorded round in order, each as one
 decision, gives the speed a policy would reach on a machine with those costs: the GPU-like
 simulation table uses it with a GPU's cost shape and the acceptance of our CPU profiles.
 The approximation: rounds keep their recorded boundaries whatever the policy drafts.
@@ -46,7 +46,7 @@ def replay(records: list[dict], make: Callable[[], DraftPolicy], costs: CostMode
         g_max[(pid, quant)] = max(g_max.get((pid, quant), 0), gamma)
     tokens = seconds = 0.0
     n_rounds = drafted = accepted = 0
-    c, v = costs.draft_token_s, costs.verify
+    v = costs.verify
     for (pid, gamma, quant, bpw), rounds in runs.items():
         if gamma != g_max[(pid, quant)]:
             continue
@@ -64,13 +64,14 @@ def replay(records: list[dict], make: Callable[[], DraftPolicy], costs: CostMode
                     break
             a = min(r["n_accept"], d)
             spent = d + dropped
+            t = costs.draft(spent) + v(d + 1) if g else costs.plain
             tokens += a + 1
-            seconds += spent * c + v(d + 1)
+            seconds += t
             n_rounds += 1
             drafted += d
             accepted += a
-            policy.update(d, a, r["draft_top1"][:d], r["draft_entropy"][:d])
-    return Replay(tokens, seconds, n_rounds, drafted, accepted, 1.0 / v(1))
+            policy.update(d, a, r["draft_top1"][:d], r["draft_entropy"][:d], t)
+    return Replay(tokens, seconds, n_rounds, drafted, accepted, 1.0 / costs.plain)
 
 
 def gpu_like(costs: CostModel, bpw: float, ref_bpw: float = 4.85, draft_ratio: float = 0.1,
@@ -79,6 +80,6 @@ def gpu_like(costs: CostModel, bpw: float, ref_bpw: float = 4.85, draft_ratio: f
     tokens costs 1 + slope * (n - 1) target tokens (memory-bound: nearly flat), and a draft
     token costs ``draft_ratio`` of a ``ref_bpw`` target token, so the ratio grows as the
     target is compressed further (a smaller target reads fewer bytes per token)."""
-    v1 = costs.verify(1)
+    v1 = costs.plain
     return CostModel([v1 * (1 + slope * i) for i in range(16)],
-                     draft_ratio * v1 * ref_bpw / bpw, key="gpu-like")
+                     draft_ratio * v1 * ref_bpw / bpw, key="gpu-like", plain_token_s=v1)

@@ -7,7 +7,7 @@ in tokens per second of one round is
 
     E[tokens] / time = ((1 - a^(g+1)) / (1 - a)) / (g * c + v(g + 1))
 
-and g = 0 is plain decoding (1 / v(1)). On a 2-core CPU v grows fast with n, so short drafts
+and g = 0 is plain decoding (1 / the plain token time). On a 2-core CPU v grows fast with n, so short drafts
 (often none) win; on a GPU v is nearly flat and longer drafts pay.
 """
 from __future__ import annotations
@@ -26,9 +26,25 @@ N_MAX = 16
 
 @dataclass(frozen=True)
 class CostModel:
-    target_batch_s: list[float]   # index n-1: seconds for a batch of n tokens
-    draft_token_s: float
+    # index n-1: seconds for a target batch of n tokens, right after n-1 draft decodes (as a
+    # speculative round runs it: the two contexts' thread pools take turns on the cores)
+    target_batch_s: list[float]
+    draft_token_s: float          # seconds per draft decode, between target batches
     key: str = ""
+    plain_token_s: float = 0.0    # seconds per token of plain decoding (0: target_batch_s[0])
+    # a round's first draft decode also takes in what the draft has not seen yet: usually
+    # the last accepted draft token and the target's token, a batch of 2 (0: draft_token_s)
+    draft_first_s: float = 0.0
+
+    @property
+    def plain(self) -> float:
+        return self.plain_token_s or self.target_batch_s[0]
+
+    def draft(self, g: int) -> float:
+        """Seconds to draft g tokens in a round."""
+        if g <= 0:
+            return 0.0
+        return (self.draft_first_s or self.draft_token_s) + (g - 1) * self.draft_token_s
 
     def verify(self, n: int) -> float:
         """Seconds for a target batch of n tokens (linear extrapolation past the table)."""
@@ -41,10 +57,10 @@ class CostModel:
     def expected_tps(self, accept: float, gamma: int) -> float:
         """Expected tokens per second of draft length gamma at per-token acceptance accept."""
         if gamma == 0:
-            return 1.0 / self.verify(1)
+            return 1.0 / self.plain
         a = min(max(accept, 0.0), 1.0 - 1e-9)
         tokens = (1.0 - a ** (gamma + 1)) / (1.0 - a)
-        return tokens / (gamma * self.draft_token_s + self.verify(gamma + 1))
+        return tokens / (self.draft(gamma) + self.verify(gamma + 1))
 
     def best_gamma(self, accept: float, gammas=range(0, 9)) -> int:
         return max(gammas, key=lambda g: self.expected_tps(accept, g))
@@ -62,7 +78,8 @@ def load_or_measure(key: str, measure) -> CostModel:
     except (OSError, ValueError, TypeError):
         pass
     model = measure()
-    model = CostModel(model.target_batch_s, model.draft_token_s, key)
+    model = CostModel(model.target_batch_s, model.draft_token_s, key, model.plain_token_s,
+                      model.draft_first_s)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps(asdict(model)))
@@ -70,27 +87,61 @@ def load_or_measure(key: str, measure) -> CostModel:
     return model
 
 
-def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 3) -> CostModel:
-    """Time target batches of 1..N_MAX tokens and single draft decodes after ``tokens``
-    (both caches prefilled with them), median of ``repeats``; caches are left as found."""
-    tgt_seq.prefill(tokens)
-    dft_seq.prefill(tokens)
-    base_t, base_d = len(tgt_seq.tokens), len(dft_seq.tokens)
+MEASURE_VERSION = 5   # part of the cache key: a changed method measures again
+CONTEXT = 128         # tokens of context the costs are measured at (a short chat turn)
+
+
+def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5) -> CostModel:
+    """Time what decoding does, after a context of ``CONTEXT`` tokens (``tokens`` repeated):
+    plain steps (single target decodes in a row, before the draft has run at all), and
+    speculative rounds: a 2-token draft catch-up decode, more single draft decodes, then a
+    target batch of n, for n = 1..N_MAX. Timing them interleaved as rounds run them, not
+    each model alone, matters on a small CPU: the two contexts' thread pools take turns on
+    the cores (measured alone, the draft looked ~30% cheaper than in real rounds). Medians
+    of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
+    n = min(CONTEXT, tgt_seq.ctx.n_ctx - N_MAX - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
+    context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]
     filler = (tokens * (N_MAX // max(len(tokens), 1) + 1))[:N_MAX]
-    batch = []
-    for n in range(1, N_MAX + 1):
+    clock = time.perf_counter
+    tgt_seq.prefill(context)
+    base_t = len(tgt_seq.tokens)
+    for k in (1, N_MAX):  # warm-up
+        tgt_seq.feed(filler[:k], all_logits=True)
+        tgt_seq.rewind(base_t)
+    plain = []
+    for _ in range(repeats):
+        t0 = clock()
+        for t in filler[:4]:
+            tgt_seq.feed([t])
+        plain.append((clock() - t0) / 4)
+        tgt_seq.rewind(base_t)
+    dft_seq.prefill(context)
+    base_d = len(dft_seq.tokens)
+    dft_seq.feed(filler[:2])
+    dft_seq.rewind(base_d)
+    batch, first, single = [], [], []
+    for k in range(1, N_MAX + 1):
         runs = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            tgt_seq.feed(filler[:n], all_logits=True)
-            runs.append(time.perf_counter() - t0)
+            t0 = clock()
+            if k > 1:
+                dft_seq.feed(filler[:2])
+            t1 = clock()
+            for t in filler[2:k]:
+                dft_seq.feed([t])
+            t2 = clock()
+            tgt_seq.feed(filler[:k], all_logits=True)
+            runs.append(clock() - t2)
+            if k > 1:
+                first.append(t1 - t0)
+            if k > 2:
+                single.append((t2 - t1) / (k - 2))
             tgt_seq.rewind(base_t)
+            dft_seq.rewind(base_d)
         batch.append(float(np.median(runs)))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for t in filler[:4]:
-            dft_seq.feed([t])
-        runs.append((time.perf_counter() - t0) / 4)
-        dft_seq.rewind(base_d)
-    return CostModel(target_batch_s=batch, draft_token_s=float(np.median(runs)))
+    # the context starts with ``tokens``: leave both caches holding exactly them
+    tgt_seq.rewind(len(tokens))
+    dft_seq.rewind(len(tokens))
+    return CostModel(target_batch_s=batch, draft_token_s=float(np.median(single)),
+                     plain_token_s=float(np.median(plain)),
+                     draft_first_s=float(np.median(first)))

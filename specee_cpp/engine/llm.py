@@ -179,13 +179,13 @@ class LLM:
         """This machine's speculative cost model for the loaded pair (measured on first use
         in ~10 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
         from ..models.pull import file_sha256
-        from .cost import load_or_measure, measure
+        from .cost import MEASURE_VERSION, load_or_measure, measure
 
         if self.dft is None:
             raise SpeceeError("a cost model needs a draft model (--draft)")
         if self._costs is None:
             key = (f"{self.target_sha256()[:12]}-{file_sha256(self.dft.model.path)[:12]}"
-                   f"-t{self.config.threads}")
+                   f"-t{self.config.threads}-v{MEASURE_VERSION}")
             prompt = self.prompt_tokens("Write a function that parses a date and explain it.")
             self._costs = load_or_measure(key, lambda: measure(self.tgt.seq, self.dft.seq, prompt))
         return self._costs

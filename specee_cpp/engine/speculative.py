@@ -119,7 +119,7 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
             dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
         t2 = clock()
         t_draft = t1 - t0 - t_ctl   # decisions made while drafting are control, not draft
-        policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf])
+        policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf], t2 - t0)
         t_ctl += clock() - t2
         if trace is not None and draft:
             trace({"gamma": len(draft), "draft_top1": [round(c[0], 5) for c in conf],
