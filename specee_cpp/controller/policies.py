@@ -88,18 +88,21 @@ class Guard:
     """What rounds really cost, here and now. The cost model is measured once, at a short
     context, and the acceptance model is fitted on other prompts; either can be optimistic.
     The guard keeps moving averages of the tokens per second actually reached by drafted
-    rounds and by plain steps (the cost model's plain speed until one is seen); once drafted
-    rounds prove slower than plain, it sends the policy to plain decoding for ``backoff``
-    steps, then lets one drafted round probe again, doubling the wait while probes lose."""
+    rounds and by plain steps (the cost model's plain speed until one is seen). Once
+    ``window`` drafted rounds average slower than plain, it sends the policy to plain
+    decoding for ``backoff`` steps, then lets ``window`` drafted rounds probe again, doubling
+    the wait while probes keep losing. A single unlucky round (one token accepted of eight)
+    is slower than plain on any machine, hence averages over several rounds."""
 
-    def __init__(self, plain_tps_prior: float, first_backoff: int = 16,
-                 max_backoff: int = 512, alpha: float = 0.3):
-        self.plain_prior, self.alpha = plain_tps_prior, alpha
+    def __init__(self, plain_tps_prior: float, window: int = 4, first_backoff: int = 16,
+                 max_backoff: int = 512):
+        self.plain_prior, self.window = plain_tps_prior, window
+        self.alpha = 1.0 / window
         self.first, self.max = first_backoff, max_backoff
         self.plain: float | None = None
         self.drafted: float | None = None
-        self.n_drafted = 0
-        self.backoff, self.wait, self.probing = first_backoff, 0, False
+        self.n_judged = 0            # drafted rounds since the last verdict
+        self.backoff, self.wait = first_backoff, 0
 
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.alpha * (x - old)
@@ -110,8 +113,6 @@ class Guard:
     def gate(self, want: int) -> int:
         if self.wait > 0:
             self.wait -= 1
-            if self.wait == 0:
-                self.probing = True
             return 0
         return want
 
@@ -120,16 +121,18 @@ class Guard:
         if not n_drafted:
             self.plain = self._ema(self.plain, tps)
             return
-        self.n_drafted += 1
-        # a probe is judged on its own, not averaged with the rounds that lost before it
-        self.drafted = tps if self.probing else self._ema(self.drafted, tps)
-        losing = self.drafted < self.plain_tps()
-        if losing and (self.probing or self.n_drafted >= 2):
+        # after a wait, the probe is judged on its own rounds, not the ones that lost before
+        self.drafted = tps if self.n_judged == 0 else self._ema(self.drafted, tps)
+        self.n_judged += 1
+        if self.n_judged < self.window:
+            return
+        if self.drafted < self.plain_tps():
             self.wait = self.backoff
             self.backoff = min(2 * self.backoff, self.max)
-        elif self.probing:
+            self.n_judged = 0
+        else:
             self.backoff = self.first
-        self.probing = False
+            self.n_judged = self.window   # keep judging the running average
 
 
 class _RoundModelPolicy(DraftPolicy):

@@ -60,8 +60,7 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
                   trace: Callable[[dict], None] | None = None) -> Iterator[Step]:
     """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
     a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
-    model is only brought up to date (one batch) when a round drafts again, so a policy that
-    never drafts costs exactly plain decoding. ``trace``, if given, receives one record per
+    model is brought up to date (one batch) when a round drafts again. ``trace``, if given, receives one record per
     drafted round (the draft's top-1 probability and entropy per drafted token, the accepted
     count, draft and verify seconds): the profiling data of a draft-length controller."""
     if isinstance(policy, int):
@@ -76,6 +75,10 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
 
     t0 = clock()
     token = pick(probs(tgt.prefill(prompt), sampling))
+    if not policy.plan_is_plain:
+        # the draft reads the prompt up front, as part of prefill (llama.cpp's tools count it
+        # there too); a policy that may never draft leaves it to the first drafted round
+        dft.prefill(prompt)
     yield Step(token=token, timings={"prefill": clock() - t0})
     while True:
         base_t = len(tgt.tokens)
