@@ -244,3 +244,15 @@ def test_interrupted_run_keeps_and_reports_what_was_measured(small_model, tmp_pa
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
     monkeypatch.setattr(runner_mod.Runner, "measure", real)
     assert run(opts, "x")["prompts"] == 3          # the rerun measures only what is missing
+
+
+def test_best_peer_line_leaves_out_plain_references():
+    def e(kind, speedup, lossless=True, reference=False):
+        return {"kind": kind, "speedup": speedup, "lossless": lossless, "reference": reference}
+
+    cfgs = {"plain": e("ours", 1.0), "spec-auto": e("ours", 1.01),
+            "ee-ngram-cand": e("ours", 1.4, lossless=False),
+            "lcpp-lookup": e("llama.cpp", 0.9), "lcpp-plain": e("llama.cpp", 1.05, reference=True)}
+    line = report.best_lines(cfgs)
+    assert "our best lossless: `spec-auto` 1.010x" in line and "`ee-ngram-cand` 1.400x" in line
+    assert "best peer: `lcpp-lookup` 0.900x" in line and "reference `lcpp-plain` 1.050x" in line

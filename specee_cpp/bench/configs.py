@@ -26,6 +26,7 @@ class BenchConfig:
     args: tuple[str, ...] = ()      # its speculative options
     needs_draft: bool = False
     static_cache: bool = False      # llama-lookup with a static n-gram cache
+    reference: bool = False         # a plain-decoding reference, not a speculative peer
 
     @property
     def describe(self) -> str:
@@ -68,7 +69,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # llama.cpp's own plain decoding (llama-lookup drafting nothing): the reference for how
     # far llama.cpp's tools and ours differ numerically (batch shapes, KV size)
     BenchConfig("lcpp-plain", "llama.cpp", True, tool="llama-lookup",
-                args=("--spec-draft-n-max", "0")),
+                args=("--spec-draft-n-max", "0"), reference=True),
     BenchConfig("lcpp-lookup", "llama.cpp", True, tool="llama-lookup",
                 args=("--spec-draft-n-max", "4")),
     BenchConfig("lcpp-lookup-static", "llama.cpp", True, tool="llama-lookup",

@@ -67,6 +67,7 @@ def summarize(records: list[dict], configs: list[BenchConfig]) -> dict:
                                   / len(recs)) if recs else None
         entry["lossless"] = c.lossless
         entry["kind"] = c.kind
+        entry["reference"] = c.reference
         entry["describe"] = c.describe
         per_cat = {}
         for cat in sorted(set(cats.values())):
@@ -126,7 +127,8 @@ def best_lines(cfgs: dict) -> str:
         return max(names, key=lambda n: cfgs[n]["speedup"]) if names else None
 
     ours = [n for n, e in cfgs.items() if e["kind"] == "ours" and n != "plain"]
-    peer = best([n for n, e in cfgs.items() if e["kind"] != "ours"])
+    peer = best([n for n, e in cfgs.items() if e["kind"] != "ours" and not e.get("reference")])
+    refs = [n for n, e in cfgs.items() if e.get("reference") and e["speedup"] is not None]
     parts = []
     for label, names in (("lossless", [n for n in ours if cfgs[n]["lossless"]]),
                          ("lossy", [n for n in ours if not cfgs[n]["lossless"]])):
@@ -135,6 +137,7 @@ def best_lines(cfgs: dict) -> str:
             parts.append(f"our best {label}: `{b}` {cfgs[b]['speedup']:.3f}x")
     if peer:
         parts.append(f"best peer: `{peer}` {cfgs[peer]['speedup']:.3f}x")
+    parts += [f"reference `{n}` {cfgs[n]['speedup']:.3f}x" for n in refs]
     return ("Speed-up vs plain, " + "; ".join(parts) + ".") if parts else ""
 
 
