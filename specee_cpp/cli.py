@@ -294,12 +294,9 @@ def fit_controller(
                                             help="Default: the shipped file for this draft."),
 ) -> None:
     """Fit the draft-length controller (acceptance MLPs) on profile records of dev prompts;
-    reports its error on the records' last prompts, held out from the fit."""
-    from .controller.acceptance import fit, round_dataset, token_dataset, _forward
+    reports its error on every fifth prompt, held out from a first fit."""
+    from .controller.acceptance import fit, held_out_report
     from .engine.llm import LLM
-    from .models.pull import file_sha256
-
-    import numpy as np
 
     records = []
     for f in profiles:
@@ -311,31 +308,22 @@ def fit_controller(
                     records.append(json.loads(line))
                 except ValueError:
                     raise SpeceeError(f"{f}:{i}: not a JSON record") from None
-    pids = sorted({r["prompt_id"] for r in records})
-    held = set(pids[1::5])   # every fifth prompt, so that held-out spans the task types
-    train = [r for r in records if r["prompt_id"] not in held]
-    test = [r for r in records if r["prompt_id"] in held]
     with LLM(target, draft=draft, config=_load_config(512, 0, 0)) as llm:
         m = llm.model
-        meta = {"draft_sha256": file_sha256(llm.dft.model.path), "draft": llm.dft.model.path.name,
+        meta = {"draft_sha256": llm.draft_sha256(), "draft": llm.dft.model.path.name,
                 "target_shape": [m.info.arch, m.n_layer, m.n_embd],
                 "profiles": [f.name for f in profiles]}
         path = out_path or llm.controller_path()
-    with err.status(f"fitting on {len(train)} rounds ({len(pids) - len(held)} prompts)"):
-        held_model = fit(train, meta=meta)
-    Xr, yr = round_dataset(test)
-    Xt, yt = token_dataset(test)
-    if len(Xr):
-        mae = float(np.mean(np.abs(_forward(held_model.round_net, Xr) - yr)))
-        base = float(np.mean(np.abs(np.mean(round_dataset(train)[1]) - yr)))
-        err.print(f"held-out prompts {sorted(held)}: acceptance-rate MAE {mae:.3f} "
-                  f"(constant baseline {base:.3f})")
-    if len(Xt):
-        pt = _forward(held_model.token_net, Xt)
-        err.print(f"per-token acceptance: accuracy {np.mean((pt > 0.5) == (yt > 0.5)):.3f} "
-                  f"(base rate {np.mean(yt):.3f})")
+    with err.status("fitting without the held-out prompts"):
+        rep = held_out_report(records, meta=meta)
+    if "rate_mae" in rep:
+        err.print(f"held-out prompts {rep['held_out_prompts']}: acceptance-rate MAE "
+                  f"{rep['rate_mae']:.3f} (constant baseline {rep['rate_mae_constant']:.3f})")
+    if "token_accuracy" in rep:
+        err.print(f"per-token acceptance: accuracy {rep['token_accuracy']:.3f} "
+                  f"(base rate {rep['token_base_rate']:.3f})")
     with err.status(f"fitting on all {len(records)} rounds"):
-        model = fit(records, meta=dict(meta, held_out_mae=locals().get("mae")))
+        model = fit(records, meta=dict(meta, held_out_mae=rep.get("rate_mae")))
     model.save(path)
     err.print(f"[green]wrote[/green] {path}", soft_wrap=True)
 

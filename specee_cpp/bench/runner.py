@@ -16,7 +16,7 @@ from .configs import BenchConfig
 from .peers import LlamaCppPeers, PeerRun, PromptLookupPeer
 from .prompts import BenchPrompt
 
-Progress = Callable[[str], None]
+Progress = Callable[[int, int, str], None]   # (measured so far, total, what is next)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -61,7 +61,6 @@ class Runner:
     def measure(self, c: BenchConfig, p: BenchPrompt) -> dict:
         """Run configuration ``c`` on prompt ``p`` from an empty cache; one record."""
         llm = self.llm
-        tokens = llm.prompt_tokens(p.text, chat=p.chat)
         if c.kind == "ours":
             llm.reset()  # every configuration pays its own prefill
             res = llm.generate(p.text, chat=p.chat, stop=p.stop, max_tokens=self.max_tokens,
@@ -79,6 +78,7 @@ class Runner:
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
                     "control_s": s.timings.get("control", 0.0),
                     "finish_reason": s.finish_reason}
+        tokens = llm.prompt_tokens(p.text, chat=p.chat)
         if c.kind == "pld":
             if self._pld is None:
                 self._pld = PromptLookupPeer(llm.model.path, llm.config, self.pld_ctx)
@@ -95,7 +95,9 @@ class Runner:
         records = load_records(out)
         done = {(r["prompt_id"], r["config"]) for r in records}
         todo = [(p, c) for p in prompts for c in self.configs if (p.id, c.name) not in done]
-        longest = max((len(self.llm.prompt_tokens(p.text, chat=p.chat)) for p, _ in todo),
+        total = len(prompts) * len(self.configs)
+        pending = {p.id: p for p, _ in todo}.values()
+        longest = max((len(self.llm.prompt_tokens(p.text, chat=p.chat)) for p in pending),
                       default=0)
         self.pld_ctx = -(-(longest + self.max_tokens + 32) // 256) * 256
         if todo and warmup:
@@ -104,9 +106,9 @@ class Runner:
             self.llm.generate(prompts[0].text, chat=prompts[0].chat, max_tokens=8)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a", encoding="utf-8") as fh:
-            for p, c in todo:
+            for i, (p, c) in enumerate(todo):
                 if progress:
-                    progress(f"{c.name} on {p.id}")
+                    progress(total - len(todo) + i, total, f"{c.name} on {p.id}")
                 rec = {"prompt_id": p.id, "category": p.category, "config": c.name,
                        **self.measure(c, p)}
                 if p.task:
@@ -114,6 +116,8 @@ class Runner:
                 fh.write(json.dumps(rec) + "\n")
                 fh.flush()
                 records.append(rec)
+        if progress:
+            progress(total, total, "done")
         return records
 
 

@@ -111,18 +111,8 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
             peers = LlamaCppPeers(m.path, llm.dft.model.path if llm.dft else None, cfg,
                                   eog_texts=eog, tools=tools, static_cache=cache)
         runner = Runner(llm, configs, opts.max_tokens, peers)
-        total = len(chosen) * len(configs)
-        n_done = len({(r["prompt_id"], r["config"]) for r in load_records(raw)
-                      if r["prompt_id"] in {p.id for p in chosen}})
-        counter = [n_done]
-
-        def tick(desc: str) -> None:
-            if progress:
-                progress(counter[0], total, desc)
-            counter[0] += 1
-
         try:
-            records = runner.run(chosen, raw, progress=tick)
+            runner.run(chosen, raw, progress=progress)
         finally:
             runner.close()
             # also on Ctrl-C: whatever was measured is summarized
@@ -143,6 +133,4 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
                 write_png(prefix.with_suffix(".png"), summary, title)
                 if benchmarks_md is not None:
                     write_section(benchmarks_md, title or "specee-cpp bench", md)
-            if progress:
-                progress(counter[0], total, "done")
     return summary

@@ -147,3 +147,27 @@ def fit(records: list[dict], hidden: int = 16, epochs: int = 80, seed: int = 0,
     info = {"n_round_samples": len(Xr), "n_token_samples": len(Xt),
             "quants": [[q, b] for q, b in quants], "hidden": hidden}
     return AcceptanceModel(rnet, tnet, prior, dict(meta or {}, **info))
+
+
+def held_out_report(records: list[dict], meta: dict | None = None) -> dict:
+    """Fit without every fifth prompt (from the second, so that the held-out prompts span
+    the task types) and score on those: the round model's acceptance-rate MAE against a
+    constant (the training mean) and the token model's accuracy against the base rate."""
+    pids = sorted({r["prompt_id"] for r in records})
+    held = set(pids[1::5])
+    train = [r for r in records if r["prompt_id"] not in held]
+    test = [r for r in records if r["prompt_id"] in held]
+    model = fit(train, meta=meta)
+    report: dict = {"held_out_prompts": sorted(held), "n_train_rounds": len(train),
+                    "n_train_prompts": len(pids) - len(held)}
+    Xr, yr = round_dataset(test)
+    if len(Xr):
+        report["rate_mae"] = float(np.mean(np.abs(_forward(model.round_net, Xr) - yr)))
+        report["rate_mae_constant"] = float(np.mean(np.abs(np.mean(round_dataset(train)[1]) - yr)))
+    Xt, yt = token_dataset(test)
+    if len(Xt):
+        pt = _forward(model.token_net, Xt)
+        report["token_accuracy"] = float(np.mean((pt > 0.5) == (yt > 0.5)))
+        report["token_base_rate"] = float(np.mean(yt))
+    return report
+

@@ -186,7 +186,7 @@ class CostAwareGamma(_RoundModelPolicy):
         g = self.gammas
         self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in g])
         self.plain_tps = 1.0 / costs.plain
-        self.can_pay = bool(np.max((g + 1) / self.time) > self.plain_tps)
+        self.can_pay = costs.drafting_can_pay(int(g.max()))
         self.plan_is_plain = not self.can_pay
         self.n_plain = 0
         self.guard = Guard(self.plain_tps)
@@ -220,10 +220,7 @@ class CostAwareStop(DraftPolicy):
 
     def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float, n_max: int = 8):
         self.model, self.costs, self.bpw, self.n_max = model, costs, bpw, n_max
-        c, v = costs.draft_token_s, costs.verify
-        # drafting can pay at all only if sure tokens beat a plain step at some length
-        self.can_pay = any((k + 1) / (costs.draft(k) + v(k + 1)) > 1.0 / costs.plain
-                           for k in range(1, n_max + 1))
+        self.can_pay = costs.drafting_can_pay(n_max)
         self.plan_is_plain = not self.can_pay
         self.guard = Guard(1.0 / costs.plain)
 

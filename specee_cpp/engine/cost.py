@@ -5,16 +5,16 @@ verification of n-1 drafted tokens costs; draft: seconds per drafted token. With
 acceptance a, draft length g, draft cost c and verification cost v(g+1), the expected speed
 in tokens per second of one round is
 
-    E[tokens] / time = ((1 - a^(g+1)) / (1 - a)) / (g * c + v(g + 1))
+    E[tokens] / time = ((1 - a^(g+1)) / (1 - a)) / (draft(g) + v(g + 1))
 
-and g = 0 is plain decoding (1 / the plain token time). On a 2-core CPU v grows fast with n, so short drafts
-(often none) win; on a GPU v is nearly flat and longer drafts pay.
+and g = 0 is plain decoding (1 / the plain token time). On a 2-core CPU v grows fast with n,
+so short drafts (often none) win; on a GPU v is nearly flat and longer drafts pay.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,12 @@ class CostModel:
         tokens = (1.0 - a ** (gamma + 1)) / (1.0 - a)
         return tokens / (self.draft(gamma) + self.verify(gamma + 1))
 
+    def drafting_can_pay(self, g_max: int) -> bool:
+        """Whether some draft length up to g_max beats plain decoding even with every
+        drafted token accepted; if not, a cost-aware policy never drafts."""
+        return any((g + 1) / (self.draft(g) + self.verify(g + 1)) > 1.0 / self.plain
+                   for g in range(1, g_max + 1))
+
     def best_gamma(self, accept: float, gammas=range(0, 9)) -> int:
         return max(gammas, key=lambda g: self.expected_tps(accept, g))
 
@@ -78,8 +84,7 @@ def load_or_measure(key: str, measure) -> CostModel:
     except (OSError, ValueError, TypeError):
         pass
     model = measure()
-    model = CostModel(model.target_batch_s, model.draft_token_s, key, model.plain_token_s,
-                      model.draft_first_s)
+    model = replace(model, key=key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps(asdict(model)))

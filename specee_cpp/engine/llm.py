@@ -72,6 +72,7 @@ class LLM:
         self._template: ChatTemplate | None = None
         self._bundles: dict[Path, object] = {}   # loaded predictor bundles by path
         self._target_sha: str | None = None      # hashed on first early-exit use
+        self._draft_sha: str | None = None       # hashed on first controller/cost use
         self._costs = None                       # measured/cached on first use
         self._controller = None
         self.controller_file: str | None = None  # overrides the shipped controller
@@ -120,6 +121,16 @@ class LLM:
         if self._target_sha is None:
             self._target_sha = file_sha256(self.model.path)
         return self._target_sha
+
+    def draft_sha256(self) -> str:
+        """sha256 of the draft GGUF, computed once (keys the cost model and the controller)."""
+        from ..models.pull import file_sha256
+
+        if self.dft is None:
+            raise SpeceeError("no draft model loaded (--draft)")
+        if self._draft_sha is None:
+            self._draft_sha = file_sha256(self.dft.model.path)
+        return self._draft_sha
 
     def bundle_path(self, provider: str) -> Path:
         """Where the shipped (or default calibrated) exit predictors for this target live."""
@@ -178,13 +189,12 @@ class LLM:
     def cost_model(self):
         """This machine's speculative cost model for the loaded pair (measured on first use
         in ~10 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
-        from ..models.pull import file_sha256
         from .cost import MEASURE_VERSION, load_or_measure, measure
 
         if self.dft is None:
             raise SpeceeError("a cost model needs a draft model (--draft)")
         if self._costs is None:
-            key = (f"{self.target_sha256()[:12]}-{file_sha256(self.dft.model.path)[:12]}"
+            key = (f"{self.target_sha256()[:12]}-{self.draft_sha256()[:12]}"
                    f"-t{self.config.threads}-v{MEASURE_VERSION}")
             prompt = self.prompt_tokens("Write a function that parses a date and explain it.")
             self._costs = load_or_measure(key, lambda: measure(self.tgt.seq, self.dft.seq, prompt))
@@ -192,9 +202,7 @@ class LLM:
 
     def controller_path(self) -> Path:
         """The shipped acceptance model for this draft (any quantization of its target)."""
-        from ..models.pull import file_sha256
-
-        return BUNDLE_DIR / f"controller-{file_sha256(self.dft.model.path)[:16]}.npz"
+        return BUNDLE_DIR / f"controller-{self.draft_sha256()[:16]}.npz"
 
     def controller(self):
         """The fitted acceptance model (``controller`` path given at load, else shipped),
@@ -252,7 +260,7 @@ class LLM:
                 f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
         if mode == "ee":
             steps = self._ee_steps(tokens, sampling, ee)
-        elif mode == "spec" and policy.plan_is_plain is False:
+        elif mode == "spec" and not policy.plan_is_plain:
             steps = generate_spec(self.tgt.seq, self.dft.seq, tokens, policy, sampling)
         else:
             steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
