@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One-command set-up of specee-cpp, then run something.
 
-    python scripts/bootstrap.py setup            # venv, patched wheel, package, default models
+    python scripts/bootstrap.py setup            # venv, patched wheel, package, crash probe, default models
     python scripts/bootstrap.py chat [ARGS...]   # set up, then `specee-cpp chat` on the default pair
     python scripts/bootstrap.py test [ARGS...]   # set up (test model, llama.cpp peer tools), then pytest
 
@@ -68,6 +68,25 @@ def ensure_packages(py: Path) -> None:
     stamp.write_text(stamp_src.hexdigest())
 
 
+def ensure_probe(py: Path) -> None:
+    """One short decode of a tiny model in a child process after each new install: a build
+    that crashes on this CPU stops set-up here, with one line, not at the user's first
+    prompt. Repeated only when the install or the AMX switch changes."""
+    install = VENV / ".specee-cpp-installed"
+    key = (install.read_text() if install.exists() else "") + os.environ.get("GGML_CPU_NO_AMX", "")
+    stamp = VENV / ".specee-cpp-probed"
+    if stamp.exists() and stamp.read_text() == key:
+        return
+    log("crash probe: a short decode of a tiny model in a child process")
+    r = subprocess.run([str(py), "-m", "specee_cpp.probe"], stdout=subprocess.PIPE, text=True)
+    line = (r.stdout.strip().splitlines() or ["crash probe gave no output"])[-1]
+    if r.returncode != 0:
+        print(line if line.startswith("error:") else f"error: {line}", file=sys.stderr)
+        sys.exit(1)
+    log(line)
+    stamp.write_text(key)
+
+
 def pull(names: list[str]) -> None:
     run([venv_bin("specee-cpp"), "pull", *names])
 
@@ -79,6 +98,7 @@ def main(argv: list[str]) -> int:
     action, rest = argv[0], argv[1:]
     py = ensure_venv()
     ensure_packages(py)
+    ensure_probe(py)
     if action == "test":
         pull(TEST_MODELS)
         # the benchmark tests run llama.cpp's own speculative tools (built once, cached)

@@ -57,6 +57,40 @@ def cmake_args() -> list[str]:
     return DEFAULT_CMAKE_ARGS + user
 
 
+def cpu_features() -> str:
+    """The instruction-set extensions of this CPU, as one sorted string.
+
+    A native build (-march=native, llama.cpp's default GGML_NATIVE=ON) runs only on CPUs with
+    the same extensions: two machines of one 'x86_64' kind may differ (AVX-512, AMX)."""
+    flags: set[str] = set()
+    try:
+        if sys.platform.startswith("linux"):
+            for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):  # x86 / ARM
+                    flags.update(value.split())
+                    break
+        elif sys.platform == "darwin":
+            for name in ("machdep.cpu.features", "machdep.cpu.leaf7_features",
+                         "machdep.cpu.brand_string", "hw.optional.arm64"):
+                r = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True)
+                flags.update(f"{name}={v}" for v in r.stdout.split())
+    except OSError:
+        pass
+    if not flags:  # Windows and the rest: the processor identification string
+        flags.add(platform.processor() or "unknown")
+    return " ".join(sorted(flags))
+
+
+def is_native(args: list[str]) -> bool:
+    """Whether the build targets this CPU (GGML_NATIVE, on unless switched off)."""
+    native = True
+    for a in args:
+        if a.upper().startswith("-DGGML_NATIVE="):
+            native = a.split("=", 1)[1].strip().upper() not in ("OFF", "0", "FALSE", "NO")
+    return native
+
+
 def cache_key(patches: list[Path], args: list[str]) -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}\n".encode())
@@ -64,8 +98,11 @@ def cache_key(patches: list[Path], args: list[str]) -> str:
     for p in patches:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(args).encode())
-    # GGML_NATIVE builds for this CPU: a wheel is only valid on the machine kind it was built on.
     h.update(f"{sys.platform} {platform.machine()} {platform.processor()}".encode())
+    if is_native(args):
+        # -march=native: the wheel is valid only on CPUs with this feature set; a cache
+        # shared between machines (or a home folder copied over) must miss, not crash
+        h.update(cpu_features().encode())
     return h.hexdigest()[:16]
 
 
@@ -150,6 +187,7 @@ def build(out_dir: Path, key: str, patches: list[Path], args: list[str]) -> Path
         if len(wheels) != 1:
             raise BuildError(f"expected one wheel in {wheel_tmp}, found {wheels}")
         log(f"built in {time.time() - t0:.0f} s")
+        check_amx(wheels[0], work / "amx-check")
         # Write under a temporary name, then rename: an interrupted build leaves no entry.
         staging = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
@@ -160,6 +198,8 @@ def build(out_dir: Path, key: str, patches: list[Path], args: list[str]) -> Path
             "patches": [p.name for p in patches],
             "cmake_args": args,
             "key": key,
+            "native": is_native(args),
+            "cpu_features": cpu_features() if is_native(args) else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -167,6 +207,23 @@ def build(out_dir: Path, key: str, patches: list[Path], args: list[str]) -> Path
         return out_dir / wheels[0].name
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def check_amx(wheel: Path, scratch: Path) -> None:
+    """Refuse a wheel whose AMX kernels would fault: see check_amx_codegen.py."""
+    import zipfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from check_amx_codegen import check_file
+
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if Path(n).name.startswith(("libggml-cpu", "ggml-cpu"))]
+        for n in names:
+            lib = Path(z.extract(n, scratch))
+            ok, msg = check_file(lib)
+            if not ok:
+                raise BuildError(msg)
+            log(msg)
 
 
 def cached_wheel(force: bool = False, stock: bool = False) -> Path:

@@ -27,10 +27,37 @@ err = Console(stderr=True, highlight=False)
 _EXIT_WORDS = {"/exit", "/quit", "/bye"}
 
 
+@app.callback()
+def _global(no_amx: bool = typer.Option(
+        False, "--no-amx", help="Keep weights out of llama.cpp's AMX buffer (Intel AMX CPUs); "
+                                "same as GGML_CPU_NO_AMX=1.")) -> None:
+    if no_amx:
+        # read by patched ggml-cpu when its buffer types are first listed (at model load)
+        import os
+
+        os.environ["GGML_CPU_NO_AMX"] = "1"
+
+
 # ---- shared options -------------------------------------------------------------------------
 
 def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
+    if gpu_layers:
+        from .bindings._ffi import ll
+
+        if not ll.llama_supports_gpu_offload():
+            err.print(f"[yellow]warning:[/yellow] --gpu-layers {gpu_layers} ignored: this build "
+                      f"has no GPU backend (rebuild with CMAKE_ARGS=-DGGML_CUDA=on)")
     return LoadConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers)
+
+
+def _mode_options(mode: str, gamma: str | None, threshold: float | None) -> str:
+    """Options that belong to one mode are refused in another (a silent no-op misleads);
+    returns the draft-length setting for spec ("auto" unless given)."""
+    if gamma is not None and mode != "spec":
+        raise SpeceeError(f"--gamma {gamma} applies to --mode spec, not --mode {mode}")
+    if threshold is not None and mode != "ee":
+        raise SpeceeError(f"--threshold {threshold} applies to --mode ee, not --mode {mode}")
+    return "auto" if gamma is None else gamma
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:
@@ -48,9 +75,9 @@ OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
 OptMode = typer.Option("plain", "--mode",
                        help="Decoding strategy: plain, spec (draft then verify) or ee (early exit).")
-OptGamma = typer.Option("auto", "--gamma",
-                        help="spec: auto (cost-aware controller; drafts only where it pays), "
-                             "a fixed number of tokens per round, or stop, pmin, hf, speckv.")
+OptGamma = typer.Option(None, "--gamma",
+                        help="spec: auto (default; cost-aware controller, drafts only where it "
+                             "pays), a fixed number of tokens per round, or stop, pmin, hf, speckv.")
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
 OptProvider = typer.Option("draft", "--provider", help="ee candidates: draft or ngram.")
@@ -86,12 +113,13 @@ def generate(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    gamma: str = OptGamma, controller: Optional[str] = OptController,
+    gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
 
     sampling = _sampling(temperature, top_k, top_p, seed)
+    gamma = _mode_options(mode, gamma, threshold)
     ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         llm.controller_file = controller
@@ -125,7 +153,7 @@ def chat(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    gamma: str = OptGamma, controller: Optional[str] = OptController,
+    gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
@@ -134,6 +162,7 @@ def chat(
         target, dft = load_registry().pair("default")
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
+    gamma = _mode_options(mode, gamma, threshold)
     ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
@@ -215,6 +244,9 @@ def calibrate(
         table.add_row(str(layer), f"{r['precision']:.2f}", f"{r['recall']:.2f}",
                       f"{r['positive_rate']:.2f}", f"{rates.get(layer, 0):.3f}")
     err.print(table)
+    from .provenance import describe
+
+    err.print(f"measured on: {describe(report['machine'])}")
     err.print(f"offline schedule {report['offline']}; exit ratio {report['exit_ratio']:.2f}, "
               f"agreement {report['exit_agreement']}, mean exit layer {report['mean_exit_layer']}")
     err.print(f"[green]wrote[/green] {out}", soft_wrap=True)
@@ -281,7 +313,10 @@ def profile(
             task = bar.add_task("profile", total=len(pairs) * len(gamma_list))
             n = run_profile(llm, pairs, gamma_list, max_tokens, out,
                             progress=lambda done, total: bar.update(task, completed=done))
-    err.print(f"[green]wrote[/green] {n} round records to {out}", soft_wrap=True)
+    from .provenance import describe, machine
+
+    err.print(f"[green]wrote[/green] {n} round records to {out} (measured on "
+              f"{describe(machine(_load_config(2048, threads, 0).threads))})", soft_wrap=True)
 
 
 @app.command("fit-controller")
@@ -345,6 +380,9 @@ def costs(
         with err.status("measuring target batches 1..16 and draft tokens (once, then cached)"):
             cm = llm.cost_model()
         bpw = llm.model.bits_per_weight
+    from .provenance import describe
+
+    err.print(f"measured on: {describe(cm.machine)}")
     machines = [("this machine", cm)]
     if gpu_like:
         machines.append(("GPU-like", gpu_shape(cm, bpw)))
@@ -504,15 +542,29 @@ def doctor() -> None:
         raise typer.Exit(1)
 
 
+def _interrupted() -> None:
+    cmd = next((a for a in sys.argv[1:] if not a.startswith("-")), "command")
+    # every command writes its files whole (temporary name, then rename), so nothing half
+    # written is left under a final name
+    err.print(f"\ninterrupted: specee-cpp {cmd} stopped by Ctrl-C (exit 130); files it had "
+              f"finished are kept, nothing half-written is")
+
+
 def main() -> None:
     """Entry point: run the app, turning user errors into one line and exit status 1."""
     try:
-        app(standalone_mode=False)
+        # typer turns Ctrl-C into a *returned* 130 outside standalone mode: pass it on, or a
+        # script would take an interrupted run for a success
+        rc = app(standalone_mode=False)
+        if isinstance(rc, int) and rc != 0:
+            if rc == 130:
+                _interrupted()
+            sys.exit(rc)
     except SpeceeError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        err.print("\n[dim]interrupted[/dim]")
+        _interrupted()
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)

@@ -1,6 +1,7 @@
 """Configuration dataclasses: every default lives here, once."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class EEConfig:
             raise SpeceeError(f"unknown exit rule {self.rule!r}; use argmax or candidate")
         if self.k < 1:
             raise SpeceeError(f"k must be positive, got {self.k}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:  # NaN fails too
+            raise SpeceeError(f"threshold must be in [0, 1], got {self.threshold}")
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,10 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise SpeceeError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpeceeError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed < 0:
+            raise SpeceeError(f"seed must be >= 0, got {self.seed}")
         if self.top_k < 0:
             raise SpeceeError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

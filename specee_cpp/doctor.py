@@ -1,12 +1,33 @@
 """Diagnostics for `specee-cpp doctor`: rows of (check, result) and an overall ok."""
 from __future__ import annotations
 
+import os
 import shutil
 
 from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", errors="replace") as fh:
+            return any(line.startswith("flags") and " amx_int8" in line for line in fh)
+    except OSError:
+        return False
+
+
+def amx_state(system_info: str) -> str:
+    """Whether llama.cpp's AMX kernels run: compiled in, CPU has them, not switched off."""
+    compiled = "AMX_INT8 = 1" in system_info
+    off = os.environ.get("GGML_CPU_NO_AMX", "") not in ("", "0")
+    if not compiled:
+        return ("not compiled in (this CPU has AMX: a native build on it uses AMX)"
+                if cpu_has_amx() else "not compiled in (this CPU has no AMX)")
+    if off:
+        return "compiled in, off (GGML_CPU_NO_AMX / --no-amx)"
+    return "compiled in, on (turn off with --no-amx or GGML_CPU_NO_AMX=1)"
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:
@@ -23,7 +44,13 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
             ("GPU offload", "available" if info["gpu_offload"] else
              "not in this build (rebuild with CMAKE_ARGS=-DGGML_CUDA=on, or Metal on macOS)"),
             ("CPU features", info["system_info"]),
+            ("AMX", amx_state(info["system_info"])),
         ]
+        from .probe import run_probe
+
+        probe = run_probe()
+        rows.append(("crash probe", probe.message))
+        ok = ok and probe.ok
     except SpeceeError as e:
         rows.append(("specee patch", f"MISSING: {e}"))
         ok = False

@@ -2,6 +2,7 @@
 import pytest
 
 from specee_cpp.config import LoadConfig
+from specee_cpp import provenance
 from specee_cpp.engine import cost
 from specee_cpp.engine.cost import CostModel
 from specee_cpp.engine.llm import LLM
@@ -45,3 +46,17 @@ def test_measure_and_cache(tmp_path, monkeypatch):
         assert llm.tgt.seq.tokens == prompt and llm.dft.seq.tokens == prompt  # left as found
         again = cost.load_or_measure("pair", run)
         assert calls == [1] and again == m and again.key == "pair"
+
+
+def test_cost_model_records_its_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
+        m = llm.cost_model()
+    assert m.machine["threads"] == 1 and m.machine["build"] and m.machine["features"]
+    assert f"-m{provenance.machine_id(m.machine)}-" in m.key  # another machine: another entry
+    assert "threads" in provenance.describe(m.machine)
+    # another build on the same CPU is another machine for the cache
+    other = dict(m.machine, build="other")
+    assert provenance.machine_id(other) != provenance.machine_id(m.machine)

@@ -2,11 +2,13 @@
 import json
 
 import numpy as np
+import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM
 from specee_cpp.engine.profile import profile
 from specee_cpp.engine.speculative import draft_confidence
+from specee_cpp.errors import SpeceeError
 from tiny_gguf import write_tiny_model
 
 
@@ -33,6 +35,15 @@ def test_profile_records_and_resume(tmp_path):
             assert 0 <= r["n_accept"] <= r["gamma"] and r["t_verify"] > 0
             assert r["target_quant"] == "ALL_F32" and r["category"] in ("qa", "writing")
             assert abs(r["target_bpw"] - 32.0) < 0.5   # F32 weights
+            # provenance: the machine the timings were taken on
+            m = r["machine"]
+            assert m["threads"] == 1 and m["build"] and "AVX" in m["features"] + "NEON"
         # a rerun finds everything done and writes nothing
         assert profile(llm, prompts, [1, 3], max_tokens=12, out=out) == 0
         assert len(out.read_text().splitlines()) == n
+        # records from another machine or build are never mixed with this one's
+        other = [dict(r, machine=dict(r["machine"], build="elsewhere")) for r in recs]
+        mixed = tmp_path / "mixed.jsonl"
+        mixed.write_text("".join(json.dumps(r) + "\n" for r in other))
+        with pytest.raises(SpeceeError, match="another machine"):
+            profile(llm, prompts, [1, 3], max_tokens=12, out=mixed)

@@ -105,12 +105,15 @@ class Runner:
             self.llm.reset()
             self.llm.generate(prompts[0].text, chat=prompts[0].chat, max_tokens=8)
         out.parent.mkdir(parents=True, exist_ok=True)
+        from ..provenance import machine
+
+        where = machine(self.llm.config.threads)
         with open(out, "a", encoding="utf-8") as fh:
             for i, (p, c) in enumerate(todo):
                 if progress:
                     progress(total - len(todo) + i, total, f"{c.name} on {p.id}")
                 rec = {"prompt_id": p.id, "category": p.category, "config": c.name,
-                       **self.measure(c, p)}
+                       **self.measure(c, p), "machine": where}
                 if p.task:
                     rec["passed"] = passes(p.task, rec["text"])
                 fh.write(json.dumps(rec) + "\n")

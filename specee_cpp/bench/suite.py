@@ -9,6 +9,7 @@ from typing import Callable
 
 from ..config import LoadConfig
 from ..errors import SpeceeError
+from ..provenance import describe
 from . import configs as configs_mod
 from . import prompts as prompts_mod
 from .report import markdown, summarize, write_json, write_png, write_section
@@ -32,10 +33,16 @@ class BenchOptions:
     fresh: bool = False
 
     def settings(self) -> dict:
-        """What makes records comparable: a resumed run must use the same."""
+        """What makes records comparable: a resumed run must use the same, on the same
+        machine and build (provenance.machine)."""
+        from ..config import LoadConfig
+        from ..provenance import machine
+
         keep = ("model", "draft", "prompts", "max_tokens", "max_prompt_tokens", "threads",
                 "gpu_layers")
-        return {k: v for k, v in asdict(self).items() if k in keep}
+        out = {k: v for k, v in asdict(self).items() if k in keep}
+        out["machine"] = machine(LoadConfig(n_threads=self.threads).threads)
+        return out
 
 
 def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
@@ -96,6 +103,7 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
     prefix = Path(opts.out)
     raw = prefix.with_suffix(".jsonl")
     _check_settings(raw, opts)
+    where = opts.settings()["machine"]
     cfg = LoadConfig(n_ctx=opts.n_ctx, n_threads=opts.threads, n_gpu_layers=opts.gpu_layers)
     with LLM(opts.model, draft=opts.draft, config=cfg) as llm:
         chosen = [shorten(p, llm.model, opts.max_prompt_tokens) for p in chosen]
@@ -126,10 +134,12 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
                             f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
                             f"{cut}), chat template for chat prompts, greedy, {opts.max_tokens} new "
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "
-                            f"by prompt, every configuration from an empty KV cache;")
+                            f"by prompt, every configuration from an empty KV cache; measured on "
+                            f"{describe(where)};")
                 md = markdown(summary, command, settings)
                 prefix.with_suffix(".md").write_text(md)
-                write_json(prefix.with_suffix(".json"), command, asdict(opts), summary, records)
+                write_json(prefix.with_suffix(".json"), command, dict(asdict(opts), machine=where),
+                           summary, records)
                 write_png(prefix.with_suffix(".png"), summary, title)
                 if benchmarks_md is not None:
                     write_section(benchmarks_md, title or "specee-cpp bench", md)

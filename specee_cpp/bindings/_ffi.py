@@ -10,7 +10,7 @@ import ctypes
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 2
+REQUIRED_PATCH_VERSION = 3
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:

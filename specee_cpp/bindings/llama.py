@@ -59,11 +59,14 @@ def library_info() -> dict:
 class Model:
     """A loaded GGUF model (weights + vocabulary)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True):
         self.path = Path(path)
         self.info: GGUFInfo = read_gguf_info(self.path)  # clear error before llama.cpp sees it
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        # extra CPU buffer types (AMX, CPU_REPACK) hold weights in layouts for the fast
+        # kernels; off, every weight stays in a plain buffer (the reference for tests)
+        params.use_extra_bufts = use_extra_bufts
         _LOG.clear()
         ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
@@ -181,9 +184,12 @@ class Context:
     """
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int,
-                 exact: bool = False):
+                 exact: bool = False, n_seq_max: int = 1, kv_unified: bool | None = None):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
+        params.n_seq_max = n_seq_max
+        if kv_unified is not None:
+            params.kv_unified = kv_unified
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_threads = n_threads
@@ -242,6 +248,8 @@ class Context:
             raise UnsupportedArchitectureError(
                 f"per-layer hidden states are not available for architecture "
                 f"{self.model.info.arch!r} (supported: llama, qwen2, qwen3)")
+        if rc == -3:
+            raise SpeceeError("layer-input capture cannot change while a staged decode is open")
 
     def layer_inp(self, il: int, n_tokens: int) -> np.ndarray:
         """Copy of the residual stream entering layer ``il``: (n_tokens, n_embd) of the last decode."""
@@ -275,7 +283,11 @@ class Context:
             rc = _ffi.llama_specee_stage_run(self.ptr, il_end, None, 0, None)
             out = None
         else:
-            cand = np.ascontiguousarray(cand, dtype=np.int32).reshape(n_tokens, -1)
+            cand = np.ascontiguousarray(cand, dtype=np.int32)
+            if n_tokens == 0 or cand.size == 0 or cand.size % n_tokens:
+                raise DecodeError(f"candidates of shape {cand.shape} for a staged batch of "
+                                  f"{n_tokens} tokens (need n_tokens x n_cand; stage_begin first)")
+            cand = cand.reshape(n_tokens, -1)
             out = np.empty(cand.shape, dtype=np.float32)
             rc = _ffi.llama_specee_stage_run(
                 self.ptr, il_end, cand.ctypes.data_as(ctypes.POINTER(ll.llama_token)),
@@ -317,13 +329,19 @@ class Context:
         return np.ctypeslib.as_array(ptr, shape=(self._stage_n_tokens, self.model.n_embd)).copy()
 
 
-def quantize_file(src: Path, dst: Path, ftype: int, n_threads: int) -> None:
+def quantize_file(src: Path, dst: Path, ftype: int, n_threads: int,
+                  head_type: int | None = None) -> None:
     """llama.cpp's quantizer: write ``src`` re-encoded as llama_ftype ``ftype`` to ``dst``
-    (requantizing an already quantized model is allowed)."""
+    (requantizing an already quantized model is allowed). ``head_type`` (a ggml type id)
+    overrides llama.cpp's choice for the LM head and the token embeddings (Q6_K/Q8_0 by
+    default), e.g. to test a head in the type the rest of the model has."""
     params = ll.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = n_threads
     params.allow_requantize = True
+    if head_type is not None:
+        params.output_tensor_type = head_type
+        params.token_embedding_type = head_type
     _LOG.clear()
     rc = ll.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:

@@ -23,6 +23,7 @@ from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
 from ..paths import home
+from ..provenance import machine
 from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
 from .predictor import Predictors, stack, train_mlp
@@ -224,7 +225,9 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
             progress("training", j + 1, len(layers))
     meta = {"target_name": llm.model.path.name, "target_sha256": target_sha, "n_layer": n_layer,
             "provider": provider.name, "calibration": asdict(cfg),
-            "trained_on": f"{len(train)} prompts (dev data)", "created": time.strftime("%Y-%m-%d")}
+            "trained_on": f"{len(train)} prompts (dev data)", "created": time.strftime("%Y-%m-%d"),
+            # the measured probe/exit costs below are this machine's
+            "machine": machine(llm.config.threads)}
     pred = stack(layers, fitted, cfg.k, cfg.threshold, meta)
 
     # validation: per-layer precision/recall of the predictors, and where exits happen
@@ -246,7 +249,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
                      **measure_costs(llm, llm.prompt_tokens(prompts[0]), layers[::3]))
     pred.save(out)
     report = {
-        "bundle": str(out), "work": str(work), "layers": layers, "per_layer": report_layers, "offline": offline,
+        "bundle": str(out), "work": str(work), "machine": pred.meta["machine"], "layers": layers, "per_layer": report_layers, "offline": offline,
         "exit_rate": rate,
         "validation_tokens": n_tok, "exit_ratio": float((exits >= 0).mean()),
         "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,

@@ -16,8 +16,12 @@ class ChatTemplate:
         # loop controls, tojson, strftime_now), which these templates are written for.
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        self._fmt = Jinja2ChatFormatter(
-            template, eos_token=model.token_text(model.eos), bos_token=model.token_text(model.bos))
+        try:
+            self._fmt = Jinja2ChatFormatter(template, eos_token=model.token_text(model.eos),
+                                            bos_token=model.token_text(model.bos))
+        except Exception as e:  # jinja2's TemplateSyntaxError and friends
+            raise SpeceeError(f"the chat template of {model.path.name} does not compile ({e}); "
+                              f"use raw prompts (--raw)") from None
 
     def render(self, messages: list[dict]) -> str:
         for m in messages:

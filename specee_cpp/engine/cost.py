@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,7 @@ class CostModel:
     # a round's first draft decode also takes in what the draft has not seen yet: usually
     # the last accepted draft token and the target's token, a batch of 2 (0: draft_token_s)
     draft_first_s: float = 0.0
+    machine: dict = field(default_factory=dict)  # provenance.machine(): where this was measured
 
     @property
     def plain(self) -> float:

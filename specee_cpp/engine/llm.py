@@ -1,7 +1,7 @@
 """The Python API: load a target (and optionally a draft) and stream generations."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
@@ -194,10 +194,16 @@ class LLM:
         if self.dft is None:
             raise SpeceeError("a cost model needs a draft model (--draft)")
         if self._costs is None:
+            from ..provenance import machine, machine_id
+
+            # the machine (CPU features, build, threads, AMX switch) is part of the key: a
+            # cache copied to another machine, or a rebuilt library, measures again
+            where = machine(self.config.threads)
             key = (f"{self.target_sha256()[:12]}-{self.draft_sha256()[:12]}"
-                   f"-t{self.config.threads}-v{MEASURE_VERSION}")
+                   f"-m{machine_id(where)}-v{MEASURE_VERSION}")
             prompt = self.prompt_tokens("Write a function that parses a date and explain it.")
-            self._costs = load_or_measure(key, lambda: measure(self.tgt.seq, self.dft.seq, prompt))
+            self._costs = load_or_measure(
+                key, lambda: replace(measure(self.tgt.seq, self.dft.seq, prompt), machine=where))
         return self._costs
 
     def controller_path(self) -> Path:

@@ -23,12 +23,20 @@ def profile(llm: LLM, prompts: list[tuple[str, str]], gammas: list[int], max_tok
     from ..config import SamplingConfig
     from .steps import stream
 
+    from ..errors import SpeceeError
+    from ..provenance import describe, machine
+
     out = Path(out)
     done = set()
+    where = machine(llm.config.threads)
     if out.exists():
         for line in out.read_text().splitlines():
             if line.strip():
                 rec = json.loads(line)
+                if rec.get("machine") != where:  # its timings would mix with ours
+                    raise SpeceeError(f"{out} holds records measured on another machine or "
+                                      f"build ({describe(rec.get('machine'))}); this one is "
+                                      f"{describe(where)}: use another output file")
                 done.add((rec["prompt_id"], rec["gamma"]))
     quant, bpw = llm.model.info.quant, round(llm.model.bits_per_weight, 4)
     n_written, total, step = 0, len(prompts) * len(gammas), 0
@@ -47,7 +55,8 @@ def profile(llm: LLM, prompts: list[tuple[str, str]], gammas: list[int], max_tok
                     pass
                 # a (prompt, gamma) is written whole, so a resumed run never repeats half of it
                 fh.write("".join(json.dumps(dict(r, prompt_id=pid, category=category,
-                                                 target_quant=quant, target_bpw=bpw)) + "\n"
+                                                 target_quant=quant, target_bpw=bpw,
+                                                 machine=where)) + "\n"
                                  for r in rounds))
                 fh.flush()
                 n_written += len(rounds)

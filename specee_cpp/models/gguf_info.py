@@ -9,6 +9,7 @@ tensor data is never touched, so this takes well under a second on a 1 GB model.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -77,16 +78,29 @@ class _Reader:
             raise self.truncated()
 
     def truncated(self) -> ModelFileError:
-        return ModelFileError(f"truncated GGUF file (header ends past byte {len(self.buf)}): "
+        return ModelFileError(f"truncated or corrupt GGUF file (header runs past byte {len(self.buf)}): "
                               f"{self.path}")
 
-    def value(self, vtype: int, key: str):
+    def bound(self, count: int, min_bytes: int, what: str) -> None:
+        """A count that the rest of the file cannot hold is corrupt: say so before looping
+        over it (a count of 2**63 would otherwise run for minutes)."""
+        if count * min_bytes > len(self.buf) - self.pos:
+            raise ModelFileError(f"corrupt GGUF file: {what} count {count} does not fit in the "
+                                 f"{len(self.buf) - self.pos} bytes left: {self.path}")
+
+    def value(self, vtype: int, key: str, depth: int = 0):
         if vtype in _SCALAR:
             return self.unpack(_SCALAR[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            if depth >= 2:  # llama.cpp reads no nested arrays; thousands of levels are an attack
+                raise ModelFileError(f"corrupt GGUF file: arrays nested {depth + 1} deep under "
+                                     f"{key!r}: {self.path}")
+            elem = struct.calcsize(_SCALAR[etype]) if etype in _SCALAR else 8 if etype in (
+                _STRING, _ARRAY) else 1
+            self.bound(count, elem, f"array {key!r}")
             start = self.pos
             if key in _RAW_ARRAYS:
                 if etype == _STRING:
@@ -97,7 +111,7 @@ class _Reader:
                 else:
                     raise ModelFileError(f"bad GGUF array type {etype} for {key}: {self.path}")
                 return _RawArray(count, bytes(self.buf[start:self.pos]))
-            return [self.value(etype, key) for _ in range(count)]
+            return [self.value(etype, key, depth + 1) for _ in range(count)]
         raise ModelFileError(f"bad GGUF value type {vtype} for key {key!r}: {self.path}")
 
 
@@ -118,13 +132,64 @@ def _tensor_nbytes(ggml_type: int, dims: list[int], path: Path) -> int:
     return n // block * type_size
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# llama.cpp's own limit on layers (LLAMA_MAX_LAYERS)
+_MAX_LAYERS = 512
+# decoder-only text architectures: their vocabularies are SentencePiece or BPE, never BERT's
+# WordPiece or T5's Unigram (llama.cpp loads such a mix and produces garbage)
+_DECODER_ARCHS = {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mistral3", "gemma",
+                  "gemma2", "gemma3", "phi2", "phi3", "starcoder2", "granite", "olmo", "olmo2"}
+_DECODER_TOKENIZERS = {"llama", "gpt2"}
+
+
+def _check_hparams(kv: dict, arch: str, path: Path) -> None:
+    """Values llama.cpp asserts on, or silently computes garbage with, refused here with the
+    key and the value: the loader aborts the whole process instead of returning an error."""
+    def bad(key: str, why: str) -> ModelFileError:
+        return ModelFileError(f"bad {key} {kv.get(key)!r} ({why}): {path}")
+
+    key = f"{arch}.block_count"
+    n = kv.get(key)
+    if not _is_int(n) or not 1 <= n <= _MAX_LAYERS:
+        raise bad(key, f"need an integer in 1..{_MAX_LAYERS}")
+    for name in ("embedding_length", "feed_forward_length", "attention.head_count",
+                 "attention.head_count_kv", "context_length"):
+        key = f"{arch}.{name}"
+        v = kv.get(key)
+        if v is None or isinstance(v, list):  # absent, or per-layer arrays: llama.cpp checks
+            continue
+        if not _is_int(v) or not 0 <= v < 2**31:
+            raise bad(key, "need a non-negative integer")
+    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
+        key = f"{arch}.{name}"
+        v = kv.get(key)
+        if v is not None and not (isinstance(v, float) and math.isfinite(v) and 0 < v < 1):
+            raise bad(key, "need a finite number in (0, 1)")
+    for name in ("rope.freq_base", "rope.scaling.factor"):
+        key = f"{arch}.{name}"
+        v = kv.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise bad(key, "need a finite positive number")
+    model = kv.get("tokenizer.ggml.model")
+    if arch in _DECODER_ARCHS and model is not None and model not in _DECODER_TOKENIZERS:
+        raise bad("tokenizer.ggml.model", f"a {arch} model needs a "
+                  f"{' or '.join(sorted(_DECODER_TOKENIZERS))} vocabulary")
+
+
 def read_gguf_info(path: str | Path) -> GGUFInfo:
     """Validate ``path`` as a complete GGUF file and return its header facts."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     size = path.stat().st_size
-    with open(path, "rb") as fh:
+    try:
+        fh = open(path, "rb")
+    except OSError as e:  # permissions, a directory, a vanished file
+        raise ModelFileError(f"cannot read model file {path}: {e.strerror or e}") from None
+    with fh:
         head = fh.read(4)
         if head != _MAGIC:
             raise ModelFileError(f"not a GGUF file (starts with {head!r}, expected b'GGUF'): {path}")
@@ -138,25 +203,40 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
     if version not in (2, 3):
         raise ModelFileError(f"unsupported GGUF version {version}: {r.path}")
     n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+    r.bound(n_kv, 13, "key-value")        # key length, one byte of key, value type
+    r.bound(n_tensors, 24, "tensor")      # name length, n_dims, type, offset
     kv = {}
     for _ in range(n_kv):
         key = r.string()
         kv[key] = r.value(r.unpack("<I"), key)
-    data_rel_end = 0
+    data_rel_end, n_blocks = 0, 0
     for _ in range(n_tensors):
-        r.skip_string()
-        dims = [r.unpack("<Q") for _ in range(r.unpack("<I"))]
+        name = r.string()
+        if name.startswith("blk."):
+            idx = name.split(".")[1]
+            n_blocks = max(n_blocks, int(idx) + 1 if idx.isdigit() else 0)
+        n_dims = r.unpack("<I")
+        if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
+            raise ModelFileError(f"corrupt GGUF file: tensor {name!r} has {n_dims} dimensions: "
+                                 f"{r.path}")
+        dims = [r.unpack("<Q") for _ in range(n_dims)]
         ggml_type, offset = r.unpack("<I"), r.unpack("<Q")
         data_rel_end = max(data_rel_end, offset + _tensor_nbytes(ggml_type, dims, r.path))
-    align = int(kv.get("general.alignment", 32))
+    align = kv.get("general.alignment", 32)
+    if not _is_int(align) or align < 8 or align & (align - 1):
+        raise ModelFileError(f"bad general.alignment {align!r} (need a power of two >= 8): {r.path}")
     data_start = (r.pos + align - 1) // align * align
     data_end = data_start + data_rel_end
     if data_end > size:
         raise ModelFileError(f"truncated GGUF file: tensor data needs {data_end} bytes, "
                              f"file has {size}: {r.path}")
-    arch = str(kv.get("general.architecture", ""))
-    if not arch:
+    arch = kv.get("general.architecture", "")
+    if not arch or not isinstance(arch, str):
         raise ModelFileError(f"GGUF file has no general.architecture: {r.path}")
+    _check_hparams(kv, arch, r.path)
+    if n_blocks and n_blocks != kv[f"{arch}.block_count"]:
+        raise ModelFileError(f"bad {arch}.block_count {kv[f'{arch}.block_count']} (the file "
+                             f"has tensors for {n_blocks} layers): {r.path}")
     tokens = kv.get("tokenizer.ggml.tokens")
     fp = hashlib.sha256()
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):

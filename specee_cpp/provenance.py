@@ -1,0 +1,60 @@
+"""Where a measurement was taken: CPU, its features as llama.cpp sees them, threads, build.
+
+Costs differ between machines, even between two of one kind (AVX-512, AMX, repacked
+kernels), so every benchmark, profile, cost and calibration record carries this and every
+report prints it: figures from different machines never mix silently.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("model name", "Hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[str, str]:
+    """(features llama.cpp compiled in and found, build key of the patched wheel)."""
+    import llama_cpp
+
+    from .bindings import library_info
+
+    info = library_info()["system_info"]
+    # "CPU : SSE3 = 1 | AVX = 1 | ... |" -> "SSE3 AVX ..."
+    feats = " ".join(p.split("=")[0].strip().split(":")[-1].strip()
+                     for p in info.split("|") if p.strip().endswith("= 1"))
+    version = llama_cpp.__version__
+    return feats, version.split("+specee.", 1)[1] if "+specee." in version else version
+
+
+def machine(n_threads: int) -> dict:
+    """The facts that decide a measurement's speed, as one small JSON-able dict."""
+    feats, build = _library()
+    amx_off = os.environ.get("GGML_CPU_NO_AMX", "") not in ("", "0")
+    return {"cpu": _cpu_name(), "features": feats, "threads": int(n_threads), "build": build,
+            "amx": "absent" if "AMX_INT8" not in feats else ("off" if amx_off else "on")}
+
+
+def machine_id(m: dict) -> str:
+    return hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def describe(m: dict | None) -> str:
+    """One line for reports: 'Intel Xeon ... (AVX2 AVX512 ...), 2 threads, build abc, AMX on'."""
+    if not m:
+        return "machine not recorded"
+    return (f"{m.get('cpu', '?')} ({m.get('features', '?')}), {m.get('threads', '?')} threads, "
+            f"build {m.get('build', '?')}, AMX {m.get('amx', '?')}")

@@ -1,0 +1,265 @@
+"""Checks on llama.cpp's real CPU kernels, run in a child process by the tests.
+
+A kernel or scheduler bug here kills the process (SIGSEGV in a tile instruction, SIGABRT from
+GGML_ASSERT), so each check runs as ``python kernel_checks.py NAME ARGS...`` and the test
+reads the exit status: a crash fails one test, with its signal, instead of ending the run.
+
+The models are tiny qwen2 GGUFs quantized by llama.cpp to Q4_0 / Q4_K / IQ4_NL with the LM
+head in the same type and every row count a multiple of 16, so that with the extra buffer
+types on (as users run) the weights and the head are repacked (CPU_REPACK, or AMX where the
+CPU has it); the same file loaded with extra buffer types off is the reference.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from specee_cpp.bindings import Batch, Context, Model, quantize_file  # noqa: E402
+from specee_cpp.bindings._ffi import ll  # noqa: E402
+from specee_cpp.errors import SpeceeError  # noqa: E402
+from tiny_gguf import write_tiny_model  # noqa: E402
+
+N_LAYER = 4
+N_VOCAB = 320  # a multiple of 16: the head is repacked
+PROMPT = [1, 300, 301, 302, 303, 304, 305, 306]
+# name -> (llama_ftype, ggml type of head and embeddings)
+QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "IQ4_NL": (25, 20)}
+# Both paths quantize activations to 8 bits per block, but repacked kernels sum in another
+# order (and AMX in int32 tiles): measured up to 7% of the logits' spread (Q4_K); a broken
+# kernel is off by about 100%.
+REL_TOL = 0.15
+
+
+def make_model(directory: Path, quant: str) -> Path:
+    out = directory / f"rk-{quant}.gguf"
+    if not out.exists():
+        f32 = directory / "rk-f32.gguf"
+        if not f32.exists():
+            write_tiny_model(f32, arch="qwen2", n_layer=N_LAYER, n_embd=256, n_head=4,
+                             n_head_kv=2, n_ff=512, seed=11,
+                             extra_words=[f"▁w{i}" for i in range(N_VOCAB - 269)])
+        ftype, head = QUANTS[quant]
+        quantize_file(f32, out, ftype=ftype, n_threads=2, head_type=head)
+    return out
+
+
+def close(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    spread = float(np.std(b)) or 1.0
+    err = float(np.max(np.abs(a - b)))
+    if os.environ.get("RK_VERBOSE"):
+        print(f"{what}: {err / spread:.4f}", file=sys.stderr)
+    if not np.all(np.isfinite(a)) or err > REL_TOL * spread:
+        raise AssertionError(f"{what}: max |diff| {err:.4g} > {REL_TOL} x std {spread:.4g}")
+
+
+def ctx_of(model: Model) -> Context:
+    return Context(model, n_ctx=128, n_batch=16, n_threads=2)
+
+
+def all_logits(ctx: Context, n: int) -> np.ndarray:
+    return np.stack([ctx.logits(i) for i in range(n)])
+
+
+def run_pair(path: Path):
+    """Everything our decoding does, on one model; returns the arrays to compare."""
+    model = Model(path, use_extra_bufts=os.environ.get("RK_EXTRA", "1") == "1")
+    out = {}
+    ctx = ctx_of(model)
+    b = Batch(16)
+    b.set(PROMPT, 0, output_last_only=False)
+    ctx.decode(b)
+    out["prompt"] = all_logits(ctx, len(PROMPT))
+    # staged: two tokens, probes at layer 2, the head there, exit with filled KV
+    nxt = [307, 308]
+    b.set(nxt, len(PROMPT), output_last_only=False)
+    ctx.stage_begin(b)
+    cand = np.array([[5, 17, 300, 319], [2, 9, 301, 310]], dtype=np.int32)
+    out["probe"] = ctx.stage_run(2, cand)
+    ctx.stage_head()
+    head = all_logits(ctx, 2)
+    out["head"] = head
+    gathered = np.take_along_axis(head, cand, axis=1)
+    close(out["probe"], gathered, f"{path.name}: probe vs head at layer 2")
+    ctx.stage_exit(full_head=False)
+    # the next token reads the K/V filled at layers 2..3
+    b.set([309], len(PROMPT) + 2)
+    ctx.decode(b)
+    out["after_exit"] = ctx.logits(-1)
+    # a staged decode run to the end equals llama_decode
+    b.set([310, 311], len(PROMPT) + 3, output_last_only=False)
+    ctx.stage_begin(b)
+    ctx.stage_run(1)
+    ctx.stage_run(N_LAYER)
+    out["staged_full"] = all_logits(ctx, 2)
+    ctx.close()
+    ref = ctx_of(model)
+    b.set(PROMPT + nxt, 0, output_last_only=False)
+    ref.decode(b)
+    b.set([309, 310, 311], len(PROMPT) + 2, output_last_only=False)
+    ref.decode(b)
+    # a full-depth history: compared across extra buffers on/off like the rest
+    out["full_depth"] = all_logits(ref, 3)
+    ref.close()
+    model.close()
+    return out
+
+
+def real_kernels(directory: str, quant: str) -> None:
+    path = make_model(Path(directory), quant)
+    os.environ["RK_EXTRA"] = "1"
+    fast = run_pair(path)
+    os.environ["RK_EXTRA"] = "0"
+    plain = run_pair(path)
+    for key in fast:
+        close(fast[key], plain[key], f"{quant}: {key}, extra buffers on vs off")
+    print("ok")
+
+
+# call mix of the fuzz: stages begun often enough that runs, probes and exits succeed too
+OPS = ["decode", "begin", "run", "run_cand", "head", "exit", "abort", "capture", "hidden",
+       "clear", "seq_rm", "begin2"]
+WEIGHTS = [0.1, 0.2, 0.1, 0.15, 0.07, 0.1, 0.05, 0.04, 0.05, 0.03, 0.05, 0.06]
+
+
+def fuzz_staged(directory: str, quant: str, seed: str = "0", n: str = "300") -> None:
+    """Random staged-API calls in random order: only return codes / exceptions allowed."""
+    rng = np.random.default_rng(int(seed))
+    model = Model(make_model(Path(directory), quant))
+    ctx = Context(model, n_ctx=64, n_batch=8, n_threads=2, n_seq_max=2, kv_unified=False)
+    b = Batch(16)
+    pos = 0
+    counts: dict[str, int] = {}
+    for _ in range(int(n)):
+        op = rng.choice(OPS, p=WEIGHTS)
+        try:
+            if op == "decode":
+                k = int(rng.integers(1, 4))
+                b.set([int(t) for t in rng.integers(0, N_VOCAB, k)], pos)
+                ctx.decode(b)
+                pos += k
+            elif op == "begin":
+                k = int(rng.integers(1, 12))  # past n_batch 8 too
+                b.set([int(t) for t in rng.integers(0, N_VOCAB, min(k, 16))],
+                      int(rng.choice([pos, pos + 3, max(pos - 1, 0)], p=[0.8, 0.1, 0.1])),
+                      output_last_only=bool(rng.integers(0, 2)))
+                ctx.stage_begin(b)
+                pos += k
+            elif op == "begin2":  # two sequences, unequal counts, non-unified cache
+                raw = b.raw
+                raw.n_tokens = 3
+                for i, (s, p) in enumerate([(0, pos), (1, 0), (0, pos + 1)]):
+                    raw.token[i], raw.pos[i], raw.n_seq_id[i] = 5 + i, p, 1
+                    raw.seq_id[i][0], raw.logits[i] = s, 1
+                ctx.stage_begin(b)
+            elif op in ("run", "run_cand"):
+                valid = rng.random() < 0.8  # mostly well-formed, so that stages advance
+                cur = ctx.stage_layer
+                il = cur + 1 if valid and cur >= 0 else int(rng.integers(-1, N_LAYER + 2))
+                cand = None
+                if op == "run_cand":
+                    n_tok = max(ctx.stage_n_tokens, 1)
+                    k = int(rng.choice([1, 4, 65], p=[0.45, 0.45, 0.1]))
+                    lo, hi = (0, N_VOCAB) if valid else (-2, N_VOCAB + 5)
+                    cand = rng.integers(lo, hi, (n_tok, k)).astype(np.int32)
+                ctx.stage_run(il, cand)
+            elif op == "head":
+                ctx.stage_head()
+            elif op == "exit":
+                ctx.stage_exit(bool(rng.integers(0, 2)))
+            elif op == "abort":
+                ctx.stage_abort()
+            elif op == "capture":
+                if rng.random() < 0.3:
+                    ctx.set_layer_inp(int(rng.integers(-1, N_LAYER + 1)), True)
+                else:
+                    for il in range(N_LAYER):
+                        ctx.set_layer_inp(il, False)
+            elif op == "hidden":
+                ctx.stage_hidden()
+            elif op == "clear":
+                ctx.stage_abort()
+                ctx.clear()
+                pos = 0
+            elif op == "seq_rm":
+                ctx.stage_abort()
+                ctx.seq_rm(int(rng.integers(0, 8)))
+                pos = min(pos, 8)
+            counts[f"{op}:ok"] = counts.get(f"{op}:ok", 0) + 1
+        except SpeceeError:
+            counts[f"{op}:error"] = counts.get(f"{op}:error", 0) + 1
+        # the next well-formed position of sequence 0, whatever the call did to the cache
+        pos = int(ll.llama_memory_seq_pos_max(ctx.mem, 0)) + 1
+        if pos > 40:
+            ctx.stage_abort()
+            ctx.clear()
+            pos = 0
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
+def capture_then_stage(directory: str, quant: str) -> None:
+    model = Model(make_model(Path(directory), quant))
+    ctx = ctx_of(model)
+    b = Batch(16)
+    b.set(PROMPT, 0)
+    ctx.set_layer_inp(1, True)
+    ctx.decode(b)
+    try:
+        ctx.stage_begin(b)
+    except SpeceeError as e:
+        print(f"refused: {e}")
+    else:
+        raise AssertionError("stage_begin accepted a context with layer-input capture on")
+    ctx.set_layer_inp(1, False)
+    b.set([307], len(PROMPT))
+    ctx.stage_begin(b)
+    try:
+        ctx.set_layer_inp(2, True)
+    except SpeceeError:
+        pass
+    else:
+        raise AssertionError("layer-input capture was enabled inside an open stage")
+    ctx.stage_run(N_LAYER)
+    print("ok")
+
+
+def multi_sequence(directory: str, quant: str) -> None:
+    """Several sequences in one staged batch: refused where the cache would split or reorder
+    them (non-unified), correct where it keeps batch order (unified)."""
+    model = Model(make_model(Path(directory), quant))
+    rows = [(0, 0, 300), (1, 0, 301), (1, 1, 302), (0, 1, 303), (0, 2, 304)]
+
+    def batch() -> Batch:
+        b = Batch(16)
+        raw = b.raw
+        raw.n_tokens = len(rows)
+        for i, (s, p, t) in enumerate(rows):
+            raw.token[i], raw.pos[i], raw.n_seq_id[i] = t, p, 1
+            raw.seq_id[i][0], raw.logits[i] = s, 1
+        return b
+
+    split = Context(model, n_ctx=64, n_batch=16, n_threads=2, n_seq_max=2, kv_unified=False)
+    try:
+        split.stage_begin(batch())
+    except SpeceeError:
+        pass
+    else:
+        raise AssertionError("a batch the non-unified cache reorders was staged")
+    # the cache is unchanged by the refusal: a plain decode of the same batch still fits
+    split.decode(batch())
+    unified = Context(model, n_ctx=64, n_batch=16, n_threads=2, n_seq_max=2, kv_unified=True)
+    unified.stage_begin(batch())
+    unified.stage_run(N_LAYER)
+    staged = all_logits(unified, len(rows))
+    plain = Context(model, n_ctx=64, n_batch=16, n_threads=2, n_seq_max=2, kv_unified=True)
+    plain.decode(batch())
+    close(staged, all_logits(plain, len(rows)), "unified multi-sequence stage vs decode")
+    print("ok")
+
+
+if __name__ == "__main__":
+    getattr(sys.modules[__name__], sys.argv[1])(*sys.argv[2:])
