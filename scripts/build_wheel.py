@@ -217,9 +217,14 @@ def check_amx(wheel: Path, scratch: Path) -> None:
     from check_amx_codegen import check_file
 
     with zipfile.ZipFile(wheel) as z:
-        names = [n for n in z.namelist() if Path(n).name.startswith(("libggml-cpu", "ggml-cpu"))]
-        for n in names:
-            lib = Path(z.extract(n, scratch))
+        seen: set[int] = set()  # versioned copies of one library: check it once
+        for info in z.infolist():
+            name = Path(info.filename).name
+            if not name.startswith(("libggml-cpu", "ggml-cpu")) or info.CRC in seen or \
+                    not any(ext in name for ext in (".so", ".dylib", ".dll")):
+                continue
+            seen.add(info.CRC)
+            lib = Path(z.extract(info, scratch))
             ok, msg = check_file(lib)
             if not ok:
                 raise BuildError(msg)

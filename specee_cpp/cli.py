@@ -482,8 +482,12 @@ def pull(
     names: Optional[list[str]] = typer.Argument(None, help="Registry names to fetch."),
     pair: Optional[str] = typer.Option(None, "--pair", help="Also fetch this pair's models."),
     force: bool = typer.Option(False, "--force", help="Fetch again even if present."),
+    quick: bool = typer.Option(False, "--quick",
+                               help="Trust a present file's verification stamp (size, mtime) "
+                                    "instead of hashing it again."),
 ) -> None:
-    """Download registry models into the cache, verify their sha256, keep them."""
+    """Download registry models into the cache, verify their sha256, keep them. A present
+    file is hashed again (its bytes may have changed with size and mtime restored)."""
     from .models.pull import pull as pull_model
 
     reg = load_registry()
@@ -500,14 +504,14 @@ def pull(
                 bar.update(task, completed=done, total=total,
                            description=f"{entry.name} [dim]{desc}[/dim]")
 
-            path = pull_model(entry, progress=progress, force=force)
+            path = pull_model(entry, progress=progress, force=force, rehash=not quick)
         err.print(f"[green]ok[/green] {entry.name}: {path}", soft_wrap=True)
 
 
 @app.command()
 def models() -> None:
     """List the registry and what is present locally."""
-    from .models.pull import is_verified
+    from .models.pull import is_verified, verified_at
 
     reg = load_registry()
     table = Table(title="specee-cpp models")
@@ -515,7 +519,7 @@ def models() -> None:
         table.add_column(col)
     for e in reg.models.values():
         if is_verified(e):
-            local = f"[green]verified[/green] {e.local_path}"
+            local = f"[green]verified {verified_at(e.local_path) or ''}[/green] {e.local_path}"
         elif e.local_path.is_file():
             local = "[yellow]present, not verified[/yellow]"
         else:

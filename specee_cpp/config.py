@@ -52,8 +52,9 @@ class EEConfig:
             raise SpeceeError(f"unknown exit rule {self.rule!r}; use argmax or candidate")
         if self.k < 1:
             raise SpeceeError(f"k must be positive, got {self.k}")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:  # NaN fails too
-            raise SpeceeError(f"threshold must be in [0, 1], got {self.threshold}")
+        # a probability threshold: 1.0 never fires (the rule is prob > threshold); NaN fails too
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise SpeceeError(f"threshold must be in [0, 1] (1 never exits), got {self.threshold}")
 
 
 @dataclass(frozen=True)

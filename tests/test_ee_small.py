@@ -46,12 +46,12 @@ def test_calibration_writes_bundle_and_report(bundle, small_model):
     assert len(list(Path(report["work"]).glob("*.npz"))) == len(PROMPTS)
 
 
-def test_threshold_above_one_reproduces_plain(bundle, small_llm):
+def test_threshold_one_reproduces_plain(bundle, small_llm):
     out, _ = bundle
     for prompt in PROMPTS[:3]:
         plain = small_llm.generate(prompt, max_tokens=40)
         ee = small_llm.generate(prompt, max_tokens=40, mode="ee",
-                                ee=EEConfig(provider="ngram", predictors=str(out), threshold=1.1))
+                                ee=EEConfig(provider="ngram", predictors=str(out), threshold=1.0))
         assert ee.tokens == plain.tokens
         assert ee.stats.exit_layers == {}
 

