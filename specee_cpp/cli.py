@@ -488,6 +488,7 @@ def pull(
 ) -> None:
     """Download registry models into the cache, verify their sha256, keep them. A present
     file is hashed again (its bytes may have changed with size and mtime restored)."""
+    from .models.pull import is_verified
     from .models.pull import pull as pull_model
 
     reg = load_registry()
@@ -497,6 +498,9 @@ def pull(
     if not entries:
         raise SpeceeError(f"name a model or --pair; registry names: {', '.join(sorted(reg.models))}")
     for entry in entries:
+        if quick and is_verified(entry):  # nothing to fetch or hash: no progress bar
+            err.print(f"[green]ok[/green] {entry.name}: {entry.local_path}", soft_wrap=True)
+            continue
         with _progress() as bar:
             task = bar.add_task(entry.name, total=entry.size)
 

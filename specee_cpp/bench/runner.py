@@ -12,6 +12,7 @@ from typing import Callable
 
 from ..engine.llm import LLM
 from ..errors import SpeceeError
+from ..provenance import machine
 from .configs import BenchConfig
 from .peers import LlamaCppPeers, PeerRun, PromptLookupPeer
 from .prompts import BenchPrompt
@@ -105,9 +106,7 @@ class Runner:
             self.llm.reset()
             self.llm.generate(prompts[0].text, chat=prompts[0].chat, max_tokens=8)
         out.parent.mkdir(parents=True, exist_ok=True)
-        from ..provenance import machine
-
-        where = machine(self.llm.config.threads)
+        where = machine(self.llm.config.threads)  # every record says where it was measured
         with open(out, "a", encoding="utf-8") as fh:
             for i, (p, c) in enumerate(todo):
                 if progress:

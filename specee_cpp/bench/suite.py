@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..config import LoadConfig
 from ..errors import SpeceeError
-from ..provenance import describe
+from ..provenance import describe, machine
 from . import configs as configs_mod
 from . import prompts as prompts_mod
 from .report import markdown, summarize, write_json, write_png, write_section
@@ -35,9 +35,6 @@ class BenchOptions:
     def settings(self) -> dict:
         """What makes records comparable: a resumed run must use the same, on the same
         machine and build (provenance.machine)."""
-        from ..config import LoadConfig
-        from ..provenance import machine
-
         keep = ("model", "draft", "prompts", "max_tokens", "max_prompt_tokens", "threads",
                 "gpu_layers")
         out = {k: v for k, v in asdict(self).items() if k in keep}

@@ -249,7 +249,8 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
                      **measure_costs(llm, llm.prompt_tokens(prompts[0]), layers[::3]))
     pred.save(out)
     report = {
-        "bundle": str(out), "work": str(work), "machine": pred.meta["machine"], "layers": layers, "per_layer": report_layers, "offline": offline,
+        "bundle": str(out), "work": str(work), "machine": pred.meta["machine"], "layers": layers,
+        "per_layer": report_layers, "offline": offline,
         "exit_rate": rate,
         "validation_tokens": n_tok, "exit_ratio": float((exits >= 0).mean()),
         "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,

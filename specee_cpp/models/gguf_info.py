@@ -179,6 +179,21 @@ def _check_hparams(kv: dict, arch: str, path: Path) -> None:
                   f"{' or '.join(sorted(_DECODER_TOKENIZERS))} vocabulary")
 
 
+def _check_unique_tokens(tokens: _RawArray, path: Path) -> None:
+    """llama.cpp maps token text to id and asserts that no two tokens share a text (a
+    corrupted vocabulary aborts the process at load). ~50 ms for 150k tokens."""
+    data, pos, seen = tokens.data, 0, set()
+    for i in range(tokens.count):
+        (n,) = struct.unpack_from("<Q", data, pos)
+        # llama.cpp reads each token as a C string: text after a NUL byte does not count
+        text = data[pos + 8:pos + 8 + n].split(b"\0", 1)[0]
+        pos += 8 + n
+        if text in seen:
+            raise ModelFileError(f"corrupt vocabulary: token {i} {text[:40]!r} appears twice "
+                                 f"in tokenizer.ggml.tokens: {path}")
+        seen.add(text)
+
+
 def read_gguf_info(path: str | Path) -> GGUFInfo:
     """Validate ``path`` as a complete GGUF file and return its header facts."""
     path = Path(path)
@@ -238,6 +253,8 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         raise ModelFileError(f"bad {arch}.block_count {kv[f'{arch}.block_count']} (the file "
                              f"has tensors for {n_blocks} layers): {r.path}")
     tokens = kv.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, _RawArray):
+        _check_unique_tokens(tokens, r.path)
     fp = hashlib.sha256()
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
         fp.update(str(kv.get(key, "")).encode() + b"\0")
