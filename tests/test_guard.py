@@ -1,0 +1,60 @@
+"""Guard: drafted rounds that run slower than plain send the policy to plain decoding for a
+backoff that doubles while probes keep losing (issue 11: Guard had no test).
+Seen failing with planted bugs: observe() a no-op; gate() a pass-through; the backoff not
+doubled; plain speed not learned from plain steps."""
+from specee_cpp.controller.policies import Guard
+
+
+def lose(g: Guard, rounds: int, tps: float = 5.0) -> None:
+    for _ in range(rounds):
+        g.observe(n_drafted=3, tokens=int(tps), seconds=1.0)
+
+
+def gated_steps(g: Guard, limit: int = 10_000) -> int:
+    """Steps the guard keeps the policy at plain decoding before letting it draft again."""
+    n = 0
+    while g.gate(4) == 0:
+        n += 1
+        assert n < limit
+    return n
+
+
+def test_slow_drafted_rounds_back_off_and_the_backoff_doubles():
+    g = Guard(plain_tps_prior=10.0, window=4, first_backoff=16, max_backoff=64)
+    lose(g, 3)
+    assert g.gate(4) == 4                # fewer than `window` rounds: no verdict yet
+    lose(g, 1)
+    assert g.gate(4) == 0                # the 4-round average (5 tok/s) is below plain (10)
+    assert 1 + gated_steps(g) == 16      # plain for the whole first backoff
+    lose(g, 4)
+    assert gated_steps(g) == 32          # the next probe lost too: twice as long
+    lose(g, 4)
+    assert gated_steps(g) == 64
+    lose(g, 4)
+    assert gated_steps(g) == 64          # capped
+
+
+def test_fast_drafted_rounds_never_gate_and_reset_the_backoff():
+    g = Guard(plain_tps_prior=10.0, window=4, first_backoff=16)
+    lose(g, 4)
+    gated_steps(g)
+    lose(g, 4, tps=20.0)                 # a winning probe
+    for _ in range(50):
+        assert g.gate(3) == 3
+        g.observe(n_drafted=3, tokens=20, seconds=1.0)
+    # losing again: the running average sinks below plain, and the wait is the first backoff
+    rounds = 0
+    while g.gate(3) != 0:
+        lose(g, 1)
+        rounds += 1
+        assert rounds < 20
+    assert 1 + gated_steps(g) == 16
+
+
+def test_plain_speed_is_learned_from_plain_steps():
+    g = Guard(plain_tps_prior=100.0, window=2, first_backoff=8)
+    for _ in range(20):
+        g.observe(n_drafted=0, tokens=1, seconds=0.25)   # plain really runs at 4 tok/s
+    assert abs(g.plain_tps() - 4.0) < 1e-6
+    lose(g, 2, tps=5.0)                  # 5 tok/s beats the measured 4, not the prior 100
+    assert g.gate(4) == 4
