@@ -121,10 +121,15 @@ def test_replay_ranks_policies_by_machine(model):
 
 
 @pytest.fixture(scope="module")
-def pair(small_model):
+def pair(small_model, tmp_path_factory):
+    """SmolLM2 Q4_1 as target, the same weights requantized to Q2_K as draft: one tokenizer,
+    but a draft that is often wrong, so that verification rejects and rolls back for real
+    (a target drafting for itself is accepted almost always and hides rollback bugs)."""
     from specee_cpp.engine.llm import LLM
+    from specee_cpp.models.quantize import quantize
 
-    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
+    draft, _ = quantize(small_model, "Q2_K", tmp_path_factory.mktemp("rough-draft"), n_threads=2)
+    with LLM(small_model, draft=draft, config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
         yield llm
 
 
@@ -138,6 +143,7 @@ def test_every_policy_is_lossless(pair, model):
     from specee_cpp.engine.speculative import generate_spec
     from specee_cpp.engine.steps import stream
 
+    rejected: dict[str, int] = {}
     for prompt in ("Write a Python function that reverses a string.", "def fib(n):"):
         plain = pair.generate(prompt, max_tokens=32)
         toks = pair.prompt_tokens(prompt)
@@ -152,6 +158,9 @@ def test_every_policy_is_lossless(pair, model):
             assert got == plain.tokens, (prompt, pol.name)
             st = out[-1].stats
             assert st.n_drafted > 0 and "control" in st.timings, pol.name
+            rejected[pol.name] = rejected.get(pol.name, 0) + st.n_drafted - st.n_accept
+    # every policy saw rejected drafts, so the equality above covered rollbacks
+    assert all(n > 0 for n in rejected.values()), rejected
 
 
 @pytest.mark.model
@@ -165,3 +174,29 @@ def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
     assert res.stats.n_drafted == 0
     with pytest.raises(SpeceeError, match="unknown draft-length policy"):
         pair.generate("x", max_tokens=2, mode="spec", gamma="sometimes")
+
+
+def test_exploration_refreshes_a_plain_policy(model):
+    """Where drafting can pay but the last round said it would not, a single-token draft is
+    tried after `explore_every` plain steps (seen failing with exploration never firing)."""
+    # drafting pays here only at high acceptance (draft 0.3, each verified token +0.3)
+    mid = CostModel([1.0 + 0.3 * i for i in range(16)], 0.3)
+    pol = policies.CostAwareGamma(model, mid, 4.85, explore_every=16)
+    assert not pol.plan_is_plain
+    pol.update(8, 0, [0.05] * 8, [7.0] * 8)      # a hopeless round: predicted rates ~ 0
+    plans = [pol.plan() for _ in range(40)]
+    assert plans[:15] == [0] * 15 and plans[15] == 1
+    assert plans.count(1) == 2 and set(plans) == {0, 1}
+
+
+def test_stop_rule_stops_drafting_where_the_next_token_cannot_pay(model):
+    """Verification that jumps in price past 2 tokens: the per-token rule keeps a confident
+    first token but drafts no second one (seen failing with `more` always true)."""
+    steep = CostModel([1.0, 1.02, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5, 3.6], 0.1)
+    stop = policies.CostAwareStop(model, steep, 4.85)
+    assert stop.plan() == 8
+    assert stop.keep(0, 0.99, 0.05)
+    assert not stop.more(0)
+    flat = policies.CostAwareStop(model, GPU, 4.85)
+    flat.plan()
+    assert flat.keep(0, 0.99, 0.05) and flat.more(0)
