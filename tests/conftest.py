@@ -10,6 +10,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_gguf import write_tiny_model  # noqa: E402
 
 SMALL_MODEL = "smollm2-135m"
+# Big downloads and builds are shared with the user's cache; everything a test run computes
+# (calibration records, cost models, quantized variants) goes to a fresh home per session,
+# so that a cached result never stands in for code under test.
+_SHARED = ("models", "sdist", "tools", "wheels")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_home(tmp_path_factory):
+    from specee_cpp.paths import home as real_home
+
+    real = real_home()
+    home = tmp_path_factory.mktemp("specee-home")
+    for name in _SHARED:
+        (real / name).mkdir(parents=True, exist_ok=True)
+        try:
+            (home / name).symlink_to(real / name, target_is_directory=True)
+        except OSError:  # no symlinks (Windows without the privilege): fetch again there
+            pass
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECEE_CPP_HOME", str(home))
+    yield home
+    mp.undo()
 
 
 @pytest.fixture(scope="session")
