@@ -79,3 +79,16 @@ def test_spec_sampling_matches_target_distribution(tmp_path):
 def test_spec_errors(small_llm):
     with pytest.raises(SpeceeError, match="needs a draft"):
         small_llm.generate("hi", max_tokens=2, mode="spec")
+
+
+def test_phases_nest_exclusively():
+    from specee_cpp.engine.speculative import Phases
+
+    t = iter([0.0, 1.0, 1.5, 3.0, 10.0, 10.25])
+    ph = Phases(clock=lambda: next(t))
+    with ph("draft"):          # 0.0 .. 3.0, minus the 0.5 s of control inside
+        with ph("control"):    # 1.0 .. 1.5
+            pass
+    with ph("verify"):         # 10.0 .. 10.25
+        pass
+    assert ph.seconds == {"draft": 2.5, "control": 0.5, "verify": 0.25}

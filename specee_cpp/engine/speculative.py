@@ -1,5 +1,6 @@
 """Draft-then-verify speculative decoding, the draft length chosen each round by a policy
-(``controller.policies``: fixed gamma, baselines, ours).
+(``controller.policies``: fixed gamma, baselines, ours). The loop is the algorithm, four
+steps a round (plan, draft, verify, learn); `Phases` keeps the clock out of it.
 
 Each round the draft proposes up to gamma tokens after the last emitted one, the target scores
 all of them in one batch, the longest acceptable prefix is kept plus one token from the
@@ -10,6 +11,7 @@ rule, so the output distribution is the target's.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import numpy as np
@@ -55,17 +57,42 @@ def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
     return 1.0 / total, float(np.log(total) - float(e @ z) / total)
 
 
+class Phases:
+    """Seconds per phase of a round, so that the loop reads like the algorithm:
+    ``with phases("draft"): ...``. Phases nest exclusively: time spent in an inner phase
+    (a control decision taken while drafting) is not counted in the outer one."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock, self.seconds, self._stack = clock, {}, []
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        now = self.clock()
+        if self._stack:  # pause the enclosing phase
+            outer, since = self._stack[-1]
+            self.seconds[outer] = self.seconds.get(outer, 0.0) + now - since
+        self._stack.append((name, now))
+        try:
+            yield
+        finally:
+            end = self.clock()
+            _, since = self._stack.pop()
+            self.seconds[name] = self.seconds.get(name, 0.0) + end - since
+            if self._stack:  # resume it
+                self._stack[-1] = (self._stack[-1][0], end)
+
+
 def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: DraftPolicy | int,
                   sampling: SamplingConfig,
                   trace: Callable[[dict], None] | None = None) -> Iterator[Step]:
     """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
     a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
-    model is brought up to date (one batch) when a round drafts again. ``trace``, if given, receives one record per
-    drafted round (the draft's top-1 probability and entropy per drafted token, the accepted
-    count, draft and verify seconds): the profiling data of a draft-length controller."""
+    model is brought up to date (one batch) when a round drafts again. ``trace``, if given,
+    receives one record per drafted round (the draft's top-1 probability and entropy per
+    drafted token, the accepted count, draft and verify seconds): the profiling data of a
+    draft-length controller."""
     if isinstance(policy, int):
         policy = FixedGamma(policy)
-    clock = time.perf_counter
     rng = np.random.default_rng(sampling.seed)
     greedy = sampling.greedy
     confidence = policy.needs_confidence or trace is not None
@@ -73,28 +100,30 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
     def pick(dist: np.ndarray) -> int:
         return int(np.argmax(dist)) if greedy else int(rng.choice(len(dist), p=dist))
 
-    t0 = clock()
+    t0 = time.perf_counter()
     token = pick(probs(tgt.prefill(prompt), sampling))
     if not policy.plan_is_plain:
         # the draft reads the prompt up front, as part of prefill (llama.cpp's tools count it
         # there too); a policy that may never draft leaves it to the first drafted round
         dft.prefill(prompt)
-    yield Step(token=token, timings={"prefill": clock() - t0})
+    yield Step(token=token, timings={"prefill": time.perf_counter() - t0})
     while True:
         base_t = len(tgt.tokens)
-        t0 = clock()
-        g_max = policy.plan()
-        t_ctl = clock() - t0
+        ph = Phases()
+        # 1. how many tokens to draft (0: a plain step)
+        with ph("control"):
+            g_max = policy.plan()
+        # 2. draft them, one at a time, while the policy keeps them
         draft, q, conf = [], [], []
-        if g_max > 0:
-            # catch the draft up on everything emitted since it last ran (one batch)
-            lg = dft.prefill(tgt.tokens + [token])
+        with ph("draft"):
+            if g_max > 0:
+                # catch the draft up on everything emitted since it last ran (one batch)
+                lg = dft.prefill(tgt.tokens + [token])
             for i in range(g_max):
                 if confidence:
                     top1, ent = draft_confidence(lg)
-                    tc = clock()
-                    ok = policy.keep(i, top1, ent)
-                    t_ctl += clock() - tc
+                    with ph("control"):
+                        ok = policy.keep(i, top1, ent)
                     if not ok:
                         break
                     conf.append((top1, ent))
@@ -103,36 +132,38 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
                 q.append(dist)
                 if i == g_max - 1:
                     break
-                tc = clock()
-                go_on = policy.more(i)
-                t_ctl += clock() - tc
+                with ph("control"):
+                    go_on = policy.more(i)
                 if not go_on:
                     break
                 lg = dft.feed([draft[-1]])
-        t1 = clock()
-        if not draft:  # a plain step
-            nxt = pick(probs(tgt.feed([token]), sampling))
-            n_acc = 0
-        else:
-            logits = tgt.feed([token] + draft, all_logits=True)
-            p = np.stack([probs(row, sampling) for row in logits])
-            n_acc, nxt = accept_drafts(draft, q, p, rng, greedy)
-            # keep what was emitted: the target holds token + accepted drafts, the draft too
-            tgt.rewind(base_t + 1 + n_acc)
-            dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
-        t2 = clock()
-        t_draft = t1 - t0 - t_ctl   # decisions made while drafting are control, not draft
-        policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf], t2 - t0)
-        t_ctl += clock() - t2
+        # 3. verify: the target scores every drafted token in one batch, keeps the
+        #    longest acceptable prefix and adds its own next token
+        with ph("verify" if draft else "decode"):
+            if not draft:
+                nxt = pick(probs(tgt.feed([token]), sampling))
+                n_acc = 0
+            else:
+                logits = tgt.feed([token] + draft, all_logits=True)
+                p = np.stack([probs(row, sampling) for row in logits])
+                n_acc, nxt = accept_drafts(draft, q, p, rng, greedy)
+                # keep what was emitted: the target holds token + accepted drafts, the
+                # draft too
+                tgt.rewind(base_t + 1 + n_acc)
+                dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
+        # 4. the policy learns from the round (its own time is control)
+        round_s = sum(ph.seconds.values())
+        with ph("control"):
+            policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
+                          round_s)
         if trace is not None and draft:
             trace({"gamma": len(draft), "draft_top1": [round(c[0], 5) for c in conf],
                    "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,
-                   "t_draft": t1 - t0, "t_verify": t2 - t1})
+                   "t_draft": ph.seconds["draft"], "t_verify": ph.seconds["verify"]})
         for tok in draft[:n_acc]:
             yield Step(token=tok, source="draft")
-        if draft:
-            timings = {"draft": t_draft, "verify": t2 - t1, "control": t_ctl}
-        else:  # a plain step, after a draft whose first token was dropped if g_max > 0
-            timings = {"draft": t_draft, "decode": t2 - t1, "control": t_ctl}
+        # a plain step may follow a draft whose first token was dropped (g_max > 0)
+        timings = {k: ph.seconds.get(k, 0.0) for k in
+                   ("draft", "verify" if draft else "decode", "control")}
         yield Step(token=nxt, n_drafted=len(draft), n_accept=n_acc, timings=timings)
         token = nxt
