@@ -15,7 +15,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 from rich.table import Table
 
-from .config import EEConfig, LoadConfig, SamplingConfig
+from .config import FIXED_GAMMAS, N_CTX, N_CTX_COSTS, EEConfig, LoadConfig, SamplingConfig
 from .errors import SpeceeError
 from .models.registry import load_registry
 
@@ -70,7 +70,7 @@ OptTemp = typer.Option(0.0, "--temperature", "-t", help="0 is greedy (determinis
 OptTopK = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: all).")
 OptTopP = typer.Option(1.0, "--top-p", help="Nucleus sampling mass.")
 OptSeed = typer.Option(0, "--seed", help="Random seed for sampling.")
-OptCtx = typer.Option(4096, "--n-ctx", help="Context window in tokens.")
+OptCtx = typer.Option(N_CTX, "--n-ctx", help="Context window in tokens.")
 OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
 OptMode = typer.Option("plain", "--mode",
@@ -282,7 +282,8 @@ def profile(
     draft: str = typer.Option(..., "--draft", "-d", help="Draft model."),
     prompts: Path = typer.Option(..., "--prompts", help="Spec-Bench style JSONL (dev data)."),
     out: Path = typer.Option(..., "--out", "-o", help="JSONL to append the records to."),
-    gammas: str = typer.Option("1,2,3,4,6,8", "--gammas", help="Draft lengths to profile."),
+    gammas: str = typer.Option(",".join(map(str, FIXED_GAMMAS)), "--gammas",
+                               help="Draft lengths to profile."),
     n_prompts: int = typer.Option(64, "--n-prompts",
                                   help="Fitting pool: this many prompts spread over the file "
                                        "(the ones calibrate uses; bench excludes them)."),
@@ -307,7 +308,7 @@ def profile(
     records = load_spec_bench(prompts)
     pool = [records[i] for i in spread(len(records), n_prompts)]
     pairs = [(p.category, p.text) for p in by_category(pool, per_category)]
-    with LLM(model, draft=draft, config=_load_config(4096, threads, 0)) as llm:
+    with LLM(model, draft=draft, config=_load_config(N_CTX, threads, 0)) as llm:
         with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("profile", total=len(pairs) * len(gamma_list))
@@ -316,7 +317,7 @@ def profile(
     from .provenance import describe, machine
 
     err.print(f"[green]wrote[/green] {n} round records to {out} (measured on "
-              f"{describe(machine(_load_config(2048, threads, 0).threads))})", soft_wrap=True)
+              f"{describe(machine(LoadConfig(n_threads=threads).threads))})", soft_wrap=True)
 
 
 @app.command("fit-controller")
@@ -376,7 +377,7 @@ def costs(
     from .controller.simulate import gpu_like as gpu_shape
     from .engine.llm import LLM
 
-    with LLM(model, draft=draft, config=_load_config(2048, threads, 0)) as llm:
+    with LLM(model, draft=draft, config=_load_config(N_CTX_COSTS, threads, 0)) as llm:
         with err.status("measuring target batches 1..16 and draft tokens (once, then cached)"):
             cm = llm.cost_model()
         bpw = llm.model.bits_per_weight

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 
 from .errors import SpeceeError
 
+# Defaults shared by several modules, each written here once.
+N_CTX = 4096          # context window of a session (chat, generate, bench, profile)
+N_BATCH = 512         # tokens per llama_decode batch
+N_CTX_COSTS = 2048    # context of a `costs` measurement (a short chat turn fits)
+N_CAND = 4            # candidates per token that early-exit predictors see (SpecEE's top-4)
+MAX_GAMMA = 8         # longest draft the draft-length policies consider
+MAX_VERIFY = 16       # largest target batch the cost model measures (verify of 15 drafts)
+FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked
+
 
 def default_threads() -> int:
     # llama.cpp decode is memory-bound; more than 8 threads rarely helps on a laptop.
@@ -17,8 +26,8 @@ def default_threads() -> int:
 class LoadConfig:
     """How models are loaded and how big their context is."""
 
-    n_ctx: int = 4096
-    n_batch: int = 512
+    n_ctx: int = N_CTX
+    n_batch: int = N_BATCH
     n_threads: int = 0            # 0: default_threads()
     n_gpu_layers: int = 0         # -1: offload every layer (CUDA/Metal builds)
 
@@ -43,7 +52,7 @@ class EEConfig:
     predictors: str | None = None     # bundle path; None: the one shipped for the target
     threshold: float | None = None
     rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
-    k: int = 4
+    k: int = N_CAND
 
     def __post_init__(self) -> None:
         if self.provider not in ("draft", "ngram"):

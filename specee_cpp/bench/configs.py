@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import EEConfig
+from ..config import FIXED_GAMMAS, EEConfig
 from ..errors import SpeceeError
 
 
@@ -48,7 +48,7 @@ def _spec_simple(name: str, *args: str, draft: bool = False) -> BenchConfig:
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("plain", "ours", True),
     *[BenchConfig(f"spec-{g}", "ours", True, mode="spec", gamma=g, needs_draft=True)
-      for g in (1, 2, 3, 4, 6, 8)],
+      for g in FIXED_GAMMAS],
     # draft-length policies (controller.policies): ours and the baselines, all lossless
     *[BenchConfig(f"spec-{p}", "ours", True, mode="spec", gamma=p, needs_draft=True)
       for p in ("auto", "stop", "pmin", "hf", "speckv")],

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from ..config import LoadConfig
+from ..config import N_CTX, LoadConfig
 from ..errors import SpeceeError
 from ..provenance import describe, machine
 from . import configs as configs_mod
@@ -28,7 +28,7 @@ class BenchOptions:
     out: str = "bench/run"            # prefix of .jsonl (raw), .json, .md, .png
     threads: int = 0
     gpu_layers: int = 0
-    n_ctx: int = 4096
+    n_ctx: int = N_CTX
     static_corpus_mb: float = 8.0
     fresh: bool = False
 

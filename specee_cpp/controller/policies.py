@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import MAX_GAMMA
 from ..engine.cost import CostModel
 from ..errors import SpeceeError
 from .acceptance import AcceptanceModel, round_stats
@@ -57,7 +58,7 @@ class PMinRule(DraftPolicy):
 
     needs_confidence = True
 
-    def __init__(self, n_max: int = 8, p_min: float = 0.75):
+    def __init__(self, n_max: int = MAX_GAMMA, p_min: float = 0.75):
         self.n_max, self.p_min, self.name = n_max, p_min, f"pmin-{p_min:g}-max{n_max}"
 
     def plan(self) -> int:
@@ -143,7 +144,7 @@ class _RoundModelPolicy(DraftPolicy):
 
     guard: Guard | None = None
 
-    def __init__(self, model: AcceptanceModel, bpw: float, gammas=range(1, 9)):
+    def __init__(self, model: AcceptanceModel, bpw: float, gammas=range(1, MAX_GAMMA + 1)):
         self.model, self.bpw = model, bpw
         self.gammas = np.array(list(gammas))
         self.feats = list(model.prior[:5]) + [bpw]
@@ -179,7 +180,7 @@ class CostAwareGamma(_RoundModelPolicy):
     name = "ours-gamma"
 
     def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float,
-                 gammas=range(1, 9), explore_every: int = 16):
+                 gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16):
         super().__init__(model, bpw, gammas)
         self.costs = costs
         self.explore_every = explore_every
@@ -218,7 +219,7 @@ class CostAwareStop(DraftPolicy):
     name = "ours-stop"
     needs_confidence = True
 
-    def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float, n_max: int = 8):
+    def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float, n_max: int = MAX_GAMMA):
         self.model, self.costs, self.bpw, self.n_max = model, costs, bpw, n_max
         self.can_pay = costs.drafting_can_pay(n_max)
         self.plan_is_plain = not self.can_pay

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..config import N_CAND
 from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
@@ -35,7 +36,7 @@ Progress = Callable[[str, int, int], None]
 class CalibConfig:
     n_tokens: int = 48          # continuation length per prompt
     min_layer: int = 0          # first calibrated layer (0: n_layer // 2)
-    k: int = 4
+    k: int = N_CAND
     val_frac: float = 0.2       # last prompts held out for the validation report
     hidden: int = 128
     epochs: int = 60

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..config import N_CAND
 from ..engine.sequence import Sequence
 
 
@@ -35,7 +36,7 @@ class DraftCandidates:
 
     name = "draft"
 
-    def __init__(self, seq: Sequence, k: int = 4):
+    def __init__(self, seq: Sequence, k: int = N_CAND):
         self.seq, self.k = seq, k
         self._logits: np.ndarray | None = None
         self._pending: int | None = None
@@ -61,7 +62,7 @@ class NgramCandidates:
 
     name = "ngram"
 
-    def __init__(self, k: int = 4, n_max: int = 3):
+    def __init__(self, k: int = N_CAND, n_max: int = 3):
         self.k, self.n_max = k, n_max
         self.tokens: list[int] = []
         self._index: list[dict[tuple, list[int]]] = []

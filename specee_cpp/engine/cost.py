@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import MAX_GAMMA, MAX_VERIFY
 from ..paths import home
 
-N_MAX = 16
+N_MAX = MAX_VERIFY
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class CostModel:
         return any((g + 1) / (self.draft(g) + self.verify(g + 1)) > 1.0 / self.plain
                    for g in range(1, g_max + 1))
 
-    def best_gamma(self, accept: float, gammas=range(0, 9)) -> int:
+    def best_gamma(self, accept: float, gammas=range(0, MAX_GAMMA + 1)) -> int:
         return max(gammas, key=lambda g: self.expected_tps(accept, g))
 
 
