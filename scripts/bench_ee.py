@@ -25,6 +25,8 @@ from _report import ee_configs, write_section
 
 import numpy as np
 
+from specee_cpp.engine.sequence import common_prefix
+
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "data" / "spec_bench_dev.jsonl"
 
@@ -47,15 +49,6 @@ def agreement(llm, prompt_tokens: list[int], out: list[int]) -> float:
     if len(out) > 1:
         preds += [int(np.argmax(row)) for row in seq.feed(out[:-1], all_logits=True)]
     return float(np.mean([p == t for p, t in zip(preds, out)]))
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> int:

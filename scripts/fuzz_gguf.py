@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import struct
 import subprocess
 import sys

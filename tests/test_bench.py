@@ -256,3 +256,14 @@ def test_best_peer_line_leaves_out_plain_references():
     line = report.best_lines(cfgs)
     assert "our best lossless: `spec-auto` 1.010x" in line and "`ee-ngram-cand` 1.400x" in line
     assert "best peer: `lcpp-lookup` 0.900x" in line and "reference `lcpp-plain` 1.050x" in line
+
+
+def test_load_records_drops_only_a_torn_last_line(tmp_path):
+    from specee_cpp.bench.runner import load_records
+
+    f = tmp_path / "r.jsonl"
+    f.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "tex')  # killed while writing the last record
+    assert [r["a"] for r in load_records(f)] == [1, 2]
+    f.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    with pytest.raises(SpeceeError, match=r"r.jsonl:2"):
+        load_records(f)

@@ -5,7 +5,8 @@ import pytest
 from specee_cpp.ee.calibrate import load_prompt_records, load_prompts, masked, spread
 from specee_cpp.ee.candidates import NgramCandidates, top_k
 from specee_cpp.ee.features import PAD_GAP, features, pad_logits
-from specee_cpp.ee.predictor import Predictors, stack, train_mlp
+from specee_cpp.ee.predictor import Predictors, stack
+from specee_cpp.mlp import train_mlp
 from specee_cpp.ee.scheduler import Scheduler
 from specee_cpp.errors import SpeceeError
 

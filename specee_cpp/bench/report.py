@@ -12,15 +12,8 @@ import json
 import time
 from pathlib import Path
 
+from ..engine.sequence import common_prefix
 from .configs import BenchConfig
-
-
-def common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _agg(recs: list[dict]) -> dict:

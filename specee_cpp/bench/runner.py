@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..engine.llm import LLM
+from ..engine.steps import stop_at
 from ..errors import SpeceeError
 from ..provenance import machine
 from .configs import BenchConfig
@@ -22,20 +23,26 @@ Progress = Callable[[int, int, str], None]   # (measured so far, total, what is 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     """Text up to the first stop string, as our stream() cuts it (peers run without them)."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[:min(hits)] if hits else text
+    at = stop_at(text, stop)
+    return text if at is None else text[:at]
 
 
 def load_records(path: Path) -> list[dict]:
-    """Records of an earlier (possibly interrupted) run; a torn last line is dropped."""
+    """Records of an earlier (possibly interrupted) run. A torn last line (the run was killed
+    while writing it) is dropped; a bad line anywhere else is an error, with its place."""
     if not path.is_file():
         return []
+    lines = path.read_text(encoding="utf-8").splitlines()
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             out.append(json.loads(line))
         except ValueError:
-            continue
+            if i == len(lines):
+                break
+            raise SpeceeError(f"{path}:{i}: not a JSON record; fix or remove that line") from None
     return out
 
 

@@ -14,15 +14,14 @@ profiled at gamma G also gives the labels of every g < G (min(accepted, g) / g).
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..ee.predictor import train_mlp
 from ..errors import SpeceeError
+from ..mlp import forward, load_npz, save_npz, train_mlp
 
 MODEL_VERSION = 1
 N_ROUND_FEATURES = 6   # mean/max entropy, mean/min top-1, last acceptance rate, bits/weight
@@ -34,10 +33,6 @@ def round_stats(top1: list[float], entropy: list[float], n_accept: int) -> list[
             float(np.min(top1)), n_accept / len(top1)]
 
 
-def _forward(net: tuple, X: np.ndarray) -> np.ndarray:
-    mu, sigma, W1, b1, W2, b2 = net
-    h = np.maximum(((X - mu) / sigma) @ W1 + b1, 0.0)
-    return 1.0 / (1.0 + np.exp(-(h @ W2 + b2)))
 
 
 @dataclass
@@ -51,33 +46,23 @@ class AcceptanceModel:
         """Predicted acceptance rate for each candidate gamma (one batched forward)."""
         g = np.asarray(gammas, dtype=np.float64)
         X = np.column_stack([np.tile(feats, (len(g), 1)), g])
-        return _forward(self.round_net, X)
+        return forward(self.round_net, X)
 
     def token_p(self, top1: float, entropy: float, pos: int, bpw: float) -> float:
-        return float(_forward(self.token_net, np.array([[top1, entropy, pos, bpw]]))[0])
+        return float(forward(self.token_net, np.array([[top1, entropy, pos, bpw]]))[0])
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        path = Path(path)
-        arrays = {f"r{i}": np.asarray(a, dtype=np.float32) for i, a in enumerate(self.round_net)}
-        arrays |= {f"t{i}": np.asarray(a, dtype=np.float32) for i, a in enumerate(self.token_net)}
-        meta = dict(self.meta, version=MODEL_VERSION, prior=self.prior)
-        tmp = path.with_name(path.name + ".partial.npz")
-        np.savez_compressed(tmp, meta=np.array(json.dumps(meta)), **arrays)
-        tmp.replace(path)
+        arrays = {f"r{i}": a for i, a in enumerate(self.round_net)}
+        arrays |= {f"t{i}": a for i, a in enumerate(self.token_net)}
+        save_npz(path, arrays, dict(self.meta, version=MODEL_VERSION, prior=self.prior))
 
     @classmethod
     def load(cls, path: Path) -> AcceptanceModel:
-        path = Path(path)
-        if not path.is_file():
-            raise SpeceeError(f"draft-length controller not found: {path}")
-        try:
-            with np.load(path) as z:
-                meta = json.loads(str(z["meta"]))
-                rnet = tuple(z[f"r{i}"].astype(np.float64) for i in range(6))
-                tnet = tuple(z[f"t{i}"].astype(np.float64) for i in range(6))
-        except (OSError, ValueError, KeyError) as e:
-            raise SpeceeError(f"not a draft-length controller file: {path} ({e})") from None
+        names = [f"{p}{i}" for p in "rt" for i in range(6)]
+        meta, arrays = load_npz(path, names, "draft-length controller")
+        rnet = tuple(arrays[f"r{i}"] for i in range(6))
+        tnet = tuple(arrays[f"t{i}"] for i in range(6))
         if meta.get("version") != MODEL_VERSION:
             raise SpeceeError(f"controller {path} has version {meta.get('version')}; this build "
                               f"needs {MODEL_VERSION}: refit with specee-cpp fit-controller")
@@ -162,11 +147,11 @@ def held_out_report(records: list[dict], meta: dict | None = None) -> dict:
                     "n_train_prompts": len(pids) - len(held)}
     Xr, yr = round_dataset(test)
     if len(Xr):
-        report["rate_mae"] = float(np.mean(np.abs(_forward(model.round_net, Xr) - yr)))
+        report["rate_mae"] = float(np.mean(np.abs(forward(model.round_net, Xr) - yr)))
         report["rate_mae_constant"] = float(np.mean(np.abs(np.mean(round_dataset(train)[1]) - yr)))
     Xt, yt = token_dataset(test)
     if len(Xt):
-        pt = _forward(model.token_net, Xt)
+        pt = forward(model.token_net, Xt)
         report["token_accuracy"] = float(np.mean((pt > 0.5) == (yt > 0.5)))
         report["token_base_rate"] = float(np.mean(yt))
     return report

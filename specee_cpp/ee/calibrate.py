@@ -27,7 +27,8 @@ from ..paths import home
 from ..provenance import machine
 from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
-from .predictor import Predictors, stack, train_mlp
+from ..mlp import train_mlp
+from .predictor import Predictors, stack
 
 Progress = Callable[[str, int, int], None]
 
@@ -257,5 +258,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,
         "mean_exit_layer": float(exits[exits >= 0].mean()) if (exits >= 0).any() else None,
     }
-    out.with_suffix(".report.json").write_text(json.dumps(report, indent=1))
+    # the file is shipped with bundles: no machine paths in it (names under the cache)
+    portable = dict(report, bundle=out.name, work=f"calibration/{work.name}")
+    out.with_suffix(".report.json").write_text(json.dumps(portable, indent=1))
     return report

@@ -22,9 +22,6 @@ from .features import features
 from .predictor import Predictors
 from .scheduler import Scheduler
 
-RULES = ("argmax", "candidate")
-
-
 def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
                 predictors: Predictors, scheduler: Scheduler, threshold: float,
                 rule: str = "argmax") -> Iterator[Step]:

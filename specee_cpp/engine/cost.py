@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -82,9 +82,14 @@ def load_or_measure(key: str, measure) -> CostModel:
     """The cached model for ``key`` (model files + threads), measuring it on first use."""
     path = cache_path(key)
     try:
-        return CostModel(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or torn: measure
+        data = None
+    names = {f.name for f in fields(CostModel)}
+    if isinstance(data, dict) and set(data) <= names and \
+            {"target_batch_s", "draft_token_s"} <= set(data):
+        return CostModel(**data)
+    # anything else (another layout of the file) is measured again and replaced
     model = measure()
     model = replace(model, key=key)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,16 @@
 """The tokens held in a context's KV cache, fed in batches and rewound on demand."""
 from __future__ import annotations
 
+from typing import Sequence as Seq
+
 import numpy as np
 
 from ..bindings import Batch, Context
 from ..errors import SpeceeError
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Seq, b: Seq) -> int:
+    """Length of the common prefix of two sequences (token ids, or texts)."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -23,10 +26,6 @@ class Sequence:
         self.ctx = ctx
         self.tokens: list[int] = []
         self._batch = Batch(ctx.n_batch)
-
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
 
     def rewind(self, n_keep: int) -> None:
         """Keep the first ``n_keep`` tokens in the cache, drop the rest.

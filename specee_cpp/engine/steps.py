@@ -91,6 +91,13 @@ class Detokenizer:
         return self._utf8.decode(b"", final=True)
 
 
+def stop_at(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where the first of the stop strings begins in ``text``, or None: generation's cut
+    and the benchmark's cut of the peers' outputs are this one rule."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
 def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Callable[[int], bool],
            max_tokens: int, n_prompt: int, stop: tuple[str, ...] = ()) -> Iterator[Step]:
     """Run a strategy until an end-of-generation token, ``max_tokens`` or a stop string.
@@ -136,9 +143,9 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                 exits[step.exit_layer] += 1
             pending += detok.add(step.token)
             if stop:
-                hits = [i for i in (pending.find(s) for s in stop) if i >= 0]
-                if hits:
-                    yield finish(step, pending[:min(hits)], "stop_string")
+                at = stop_at(pending, stop)
+                if at is not None:
+                    yield finish(step, pending[:at], "stop_string")
                     return
             if n_gen >= max_tokens:
                 yield finish(step, pending + detok.flush(), "length")
