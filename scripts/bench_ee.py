@@ -28,7 +28,7 @@ import numpy as np
 from specee_cpp.engine.sequence import common_prefix
 
 REPO = Path(__file__).resolve().parent.parent
-DEV = REPO.parent / "shared" / "data" / "spec_bench_dev.jsonl"
+DEV = REPO / "specee_cpp" / "data" / "spec_bench_dev.jsonl"  # the dev half, shipped
 
 
 def held_out(texts: list[str], n_calib: int, n: int) -> list[int]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEV = REPO.parent / "shared" / "data" / "spec_bench_dev.jsonl"
+DEV = REPO / "specee_cpp" / "data" / "spec_bench_dev.jsonl"  # the dev half, shipped
 OUT = REPO / "docs" / "controller"
 POLICIES = ["0", "2", "4", "6", "8", "pmin", "hf", "speckv", "auto", "stop"]
 MEASURED = ["plain", "spec-2", "spec-4", "spec-6", "spec-8", "spec-pmin", "spec-hf",

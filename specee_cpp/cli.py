@@ -15,6 +15,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
                            TransferSpeedColumn)
 from rich.table import Table
 
+from .bench.prompts import DEV_PROMPTS
 from .config import FIXED_GAMMAS, N_CTX, N_CTX_COSTS, EEConfig, LoadConfig, SamplingConfig
 from .errors import SpeceeError
 from .models.registry import load_registry
@@ -207,7 +208,8 @@ def chat(
 @app.command()
 def calibrate(
     model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
-    prompts: Path = typer.Option(..., "--prompts", help="Spec-Bench style JSONL (dev data)."),
+    prompts: Path = typer.Option(DEV_PROMPTS, "--prompts",
+                                 help="Spec-Bench style JSONL (default: the shipped dev half)."),
     draft: Optional[str] = OptDraft,
     provider: str = OptProvider,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Bundle to write (.npz)."),
@@ -280,7 +282,8 @@ def quantize(
 def profile(
     model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
     draft: str = typer.Option(..., "--draft", "-d", help="Draft model."),
-    prompts: Path = typer.Option(..., "--prompts", help="Spec-Bench style JSONL (dev data)."),
+    prompts: Path = typer.Option(DEV_PROMPTS, "--prompts",
+                                 help="Spec-Bench style JSONL (default: the shipped dev half)."),
     out: Path = typer.Option(..., "--out", "-o", help="JSONL to append the records to."),
     gammas: str = typer.Option(",".join(map(str, FIXED_GAMMAS)), "--gammas",
                                help="Draft lengths to profile."),
@@ -402,14 +405,13 @@ def costs(
 
 # ---- bench ----------------------------------------------------------------------------------
 
-_DEV_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl"
 
 
 @app.command()
 def bench(
     model: Optional[str] = typer.Argument(None, help="Target: registry name or .gguf path."),
     draft: Optional[str] = OptDraft,
-    prompts: str = typer.Option(str(_DEV_PROMPTS), "--prompts",
+    prompts: str = typer.Option(str(DEV_PROMPTS), "--prompts",
                                 help="Spec-Bench style JSONL file, or humaneval:LO-HI."),
     configs: str = typer.Option("quick", "--configs",
                                 help="Comma-separated configurations or groups (quick, peers, all)."),

@@ -267,3 +267,13 @@ def test_load_records_drops_only_a_torn_last_line(tmp_path):
     f.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
     with pytest.raises(SpeceeError, match=r"r.jsonl:2"):
         load_records(f)
+
+
+def test_default_prompts_ship_inside_the_package():
+    import specee_cpp
+    from specee_cpp.bench.prompts import DEV_PROMPTS, load_spec_bench
+
+    pkg = Path(specee_cpp.__file__).parent
+    assert DEV_PROMPTS.is_relative_to(pkg) and (DEV_PROMPTS.parent / "SPEC_BENCH_LICENSE").is_file()
+    recs = load_spec_bench(DEV_PROMPTS)
+    assert len(recs) == 240 and {"mt_bench", "summarization", "rag"} <= {r.category for r in recs}

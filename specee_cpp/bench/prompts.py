@@ -7,6 +7,9 @@ from pathlib import Path
 
 from ..errors import SpeceeError
 
+# the dev half of Spec-Bench, shipped in the package (data/README.md): the default prompts
+DEV_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
+
 # Spec-Bench reports MT-Bench's eight categories as one task, "multi-turn conversation".
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
             "humanities"}
