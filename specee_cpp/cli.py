@@ -36,7 +36,9 @@ def _global(no_amx: bool = typer.Option(
         # read by patched ggml-cpu when its buffer types are first listed (at model load)
         import os
 
-        os.environ["GGML_CPU_NO_AMX"] = "1"
+        from .provenance import NO_AMX_ENV
+
+        os.environ[NO_AMX_ENV] = "1"
 
 
 # ---- shared options -------------------------------------------------------------------------

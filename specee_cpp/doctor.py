@@ -1,13 +1,13 @@
 """Diagnostics for `specee-cpp doctor`: rows of (check, result) and an overall ok."""
 from __future__ import annotations
 
-import os
 import shutil
 
 from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
+from .provenance import NO_AMX_ENV, amx_switched_off
 
 
 def cpu_has_amx() -> bool:
@@ -21,13 +21,12 @@ def cpu_has_amx() -> bool:
 def amx_state(system_info: str) -> str:
     """Whether llama.cpp's AMX kernels run: compiled in, CPU has them, not switched off."""
     compiled = "AMX_INT8 = 1" in system_info
-    off = os.environ.get("GGML_CPU_NO_AMX", "") not in ("", "0")
     if not compiled:
         return ("not compiled in (this CPU has AMX: a native build on it uses AMX)"
                 if cpu_has_amx() else "not compiled in (this CPU has no AMX)")
-    if off:
-        return "compiled in, off (GGML_CPU_NO_AMX / --no-amx)"
-    return "compiled in, on (turn off with --no-amx or GGML_CPU_NO_AMX=1)"
+    if amx_switched_off():
+        return f"compiled in, off ({NO_AMX_ENV} / --no-amx)"
+    return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1)"
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:

@@ -22,11 +22,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .provenance import NO_AMX_ENV, amx_switched_off
+
 PROBE_TIMEOUT_S = 300
 # Test hook: the child faults on purpose (SIGSEGV through a NULL read) after loading libllama,
 # so that the parent's handling of a dying child is tested with a real crash.
 FAULT_ENV = "SPECEE_CPP_PROBE_FAULT"
-NO_AMX_ENV = "GGML_CPU_NO_AMX"  # read by patch 0003 when the CPU backend starts
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> ProbeResult:
                            r.returncode)
     died = f"the patched libllama crashed ({_signal_name(r.returncode)}) in a first decode " \
            f"of a tiny Q4_0 model"
-    amx_was_on = env.get(NO_AMX_ENV, "") in ("", "0")
-    if amx_was_on and FAULT_ENV not in env:
+    if not amx_switched_off() and FAULT_ENV not in env:
         try:
             again = _run_child(dict(env, **{NO_AMX_ENV: "1"}), timeout)
         except subprocess.TimeoutExpired:

@@ -12,6 +12,15 @@ import json
 import os
 import platform
 
+# patch 0003: ggml-cpu leaves weights out of the AMX buffer when this is set to anything but
+# "" or "0" (read once, when the CPU backend first lists its buffer types)
+NO_AMX_ENV = "GGML_CPU_NO_AMX"
+
+
+def amx_switched_off() -> bool:
+    """Whether the AMX switch is off in this process's environment, as the patch reads it."""
+    return os.environ.get(NO_AMX_ENV, "") not in ("", "0")
+
 
 @functools.lru_cache(maxsize=1)
 def _cpu_name() -> str:
@@ -43,9 +52,9 @@ def _library() -> tuple[str, str]:
 def machine(n_threads: int) -> dict:
     """The facts that decide a measurement's speed, as one small JSON-able dict."""
     feats, build = _library()
-    amx_off = os.environ.get("GGML_CPU_NO_AMX", "") not in ("", "0")
     return {"cpu": _cpu_name(), "features": feats, "threads": int(n_threads), "build": build,
-            "amx": "absent" if "AMX_INT8" not in feats else ("off" if amx_off else "on")}
+            "amx": "absent" if "AMX_INT8" not in feats else
+            ("off" if amx_switched_off() else "on")}
 
 
 def machine_id(m: dict) -> str:
