@@ -12,19 +12,3 @@ def write_section(heading: str, body: str, path: Path = BENCHMARKS) -> None:
 
     write(path, heading, body)
 
-
-def ee_configs(spec: str) -> dict:
-    """Named decoding configurations of the early-exit benchmarks, as (mode, EEConfig), for a
-    comma-separated selection; an unknown name stops with the valid ones."""
-    from specee_cpp.config import EEConfig
-
-    known = {"plain": ("plain", EEConfig()),
-             "ee-draft": ("ee", EEConfig(provider="draft")),
-             "ee-ngram": ("ee", EEConfig(provider="ngram")),
-             "ee-draft-cand": ("ee", EEConfig(provider="draft", rule="candidate")),
-             "ee-ngram-cand": ("ee", EEConfig(provider="ngram", rule="candidate"))}
-    names = spec.split(",")
-    for n in names:
-        if n not in known:
-            raise SystemExit(f"unknown config {n!r}; valid: {', '.join(known)}")
-    return {n: known[n] for n in names}

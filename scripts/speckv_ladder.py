@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEV = REPO / "specee_cpp" / "data" / "spec_bench_dev.jsonl"  # the dev half, shipped
 OUT = REPO / "docs" / "controller"
 POLICIES = ["0", "2", "4", "6", "8", "pmin", "hf", "speckv", "auto", "stop"]
 MEASURED = ["plain", "spec-2", "spec-4", "spec-6", "spec-8", "spec-pmin", "spec-hf",
@@ -77,7 +76,8 @@ def main() -> int:
     profiles = []
     for t, f in files.items():
         prof = OUT / f"profile-{t}.jsonl"
-        cli("profile", str(f), "--draft", ns.draft, "--prompts", str(DEV), "--out", str(prof),
+        # profile's default --prompts: the dev half shipped in the package
+        cli("profile", str(f), "--draft", ns.draft, "--out", str(prof),
             "--gammas", ns.gammas, "--max-tokens", str(ns.profile_tokens))
         profiles.append(prof)
     cli("fit-controller", *map(str, profiles), "--draft", ns.draft, "--target", str(target))
@@ -94,18 +94,29 @@ def publish(heading: str, body: str) -> None:
     print(body)
 
 
+def command() -> str:
+    return "python scripts/speckv_ladder.py " + " ".join(sys.argv[1:])
+
+
+def table_head(columns: list[str]) -> tuple[str, str]:
+    """A markdown table's header row and separator."""
+    return "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)
+
+
 def simulate(files: dict, profiles: list[Path], ns) -> None:
     """Cross-fitted replay of every policy at every level, on this machine's measured costs
     and on a GPU-like cost shape."""
     from specee_cpp.config import LoadConfig
-    from specee_cpp.controller import acceptance, policies, simulate as sim
+    from specee_cpp.spec import acceptance, policies, simulate as sim
     from specee_cpp.engine.llm import LLM
+    from specee_cpp.records import records
+    from specee_cpp.spec.mode import cost_model, parse_gamma
 
     per_level = {}
     for (t, f), prof in zip(files.items(), profiles):
-        recs = [json.loads(l) for l in prof.read_text().splitlines() if l.strip()]
+        recs = records(prof, what="profile file")
         with LLM(f, draft=ns.draft, config=LoadConfig(n_ctx=2048)) as llm:
-            per_level[t] = (recs, llm.cost_model(), llm.model.bits_per_weight)
+            per_level[t] = (recs, cost_model(llm), llm.model.bits_per_weight)
     all_recs = [r for recs, _, _ in per_level.values() for r in recs]
     prompt_ids = sorted({r["prompt_id"] for r in all_recs})
     folds = [prompt_ids[i::4] for i in range(4)]
@@ -123,7 +134,7 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
                     if not part:
                         continue
                     rep = sim.replay(part, lambda: policies.make_policy(
-                        name, model=model, costs=costs, bpw=bpw), costs)
+                        parse_gamma(name), model=model, costs=costs, bpw=bpw), costs)
                     tokens += rep.tokens
                     seconds += rep.seconds
                     drafted += rep.drafted
@@ -134,10 +145,9 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
             rows[machine].append(f"| {t} | {bpw:.2f} | {costs.draft_token_s / v1:.2f} | "
                                  f"{costs.verify(5) / v1:.2f} | " + " | ".join(cells) + " |")
     overhead = decision_overhead(models[0], per_level)
-    head = ("| target | bits/weight | draft / target token | verify 5 / 1 | "
-            + " | ".join(f"gamma {p}" if p.isdigit() else p for p in POLICIES) + " |")
-    sep = "|" + "---|" * (head.count("|") - 1)
-    cmd = "python scripts/speckv_ladder.py " + " ".join(sys.argv[1:])
+    head, sep = table_head(["target", "bits/weight", "draft / target token", "verify 5 / 1"]
+                           + [f"gamma {p}" if p.isdigit() else p for p in POLICIES])
+    cmd = command()
     body = (f"`{cmd}`: replay of the profiled rounds (gamma-8 rounds of "
             f"`docs/controller/profile-*.jsonl`, dev prompts, {len(all_recs)} rounds in all) "
             f"under each policy; the controller policies are cross-fitted (4 folds by prompt: "
@@ -154,7 +164,7 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
 
 def decision_overhead(model, per_level: dict) -> str:
     """Microseconds per decision of our policies where they do decide (GPU-like costs)."""
-    from specee_cpp.controller import policies, simulate as sim
+    from specee_cpp.spec import policies, simulate as sim
 
     recs, costs, bpw = next(iter(per_level.values()))
     gpu = sim.gpu_like(costs, bpw)
@@ -187,10 +197,8 @@ def measure(files: dict, ns) -> None:
         rows.append(f"| {t} | {cfg['plain']['tps']:.1f} | "
                     + " | ".join(f"{cfg[n]['speedup']:.3f}" for n in MEASURED[1:])
                     + f" | {cfg['spec-auto']['speedup'] / fixed:.3f} |")
-    head = ("| target | plain tok/s | " + " | ".join(MEASURED[1:])
-            + " | ours (auto) / best fixed |")
-    sep = "|" + "---|" * (head.count("|") - 1)
-    cmd = "python scripts/speckv_ladder.py " + " ".join(sys.argv[1:])
+    head, sep = table_head(["target", "plain tok/s", *MEASURED[1:], "ours (auto) / best fixed"])
+    cmd = command()
     body = (f"`{cmd}` (step 5: `specee-cpp bench` per level, {ns.measure_per_category} "
             f"held-out prompt(s) per Spec-Bench task, {ns.measure_tokens} new tokens, user "
             f"messages over 256 tokens cut in the middle, configurations interleaved; raw "

@@ -7,8 +7,16 @@ libllama)::
     llm = specee_cpp.load("qwen2.5-coder-1.5b")         # registry name or path to a .gguf
     for step in llm.stream("Write a haiku", max_tokens=64):
         print(step.text, end="", flush=True)
+    llm.generate("Sort a list in Python", mode="spec", gamma=4)   # a mode and its options
+
+Decoding modes register themselves (``engine/modes.py``); the built-in ones are imported
+here, which loads no library.
 """
 from __future__ import annotations
+
+from .engine import plain as _plain  # noqa: F401, I001  (registers mode plain, first)
+from .spec import mode as _spec_mode  # noqa: F401  (registers mode spec)
+from .ee import mode as _ee_mode  # noqa: F401  (registers mode ee)
 
 __version__ = "0.1.0"
 
@@ -18,6 +26,9 @@ _LAZY = {
     "Step": ("specee_cpp.engine.steps", "Step"),
     "Stats": ("specee_cpp.engine.steps", "Stats"),
     "SamplingConfig": ("specee_cpp.config", "SamplingConfig"),
+    "SpecOptions": ("specee_cpp.spec.mode", "SpecOptions"),
+    "EEOptions": ("specee_cpp.ee.mode", "EEOptions"),
+    "modes": ("specee_cpp.engine", "modes"),
     "LoadConfig": ("specee_cpp.config", "LoadConfig"),
     "SpeceeError": ("specee_cpp.errors", "SpeceeError"),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +17,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 from rich.table import Table
 
 from .bench.prompts import DEV_PROMPTS
-from .config import FIXED_GAMMAS, N_CTX, N_CTX_COSTS, EEConfig, LoadConfig, SamplingConfig
+from .config import FIXED_GAMMAS, N_CTX, N_CTX_COSTS, LoadConfig, SamplingConfig
 from .errors import SpeceeError
 from .models.registry import load_registry
 
@@ -53,14 +54,28 @@ def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
     return LoadConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers)
 
 
-def _mode_options(mode: str, gamma: str | None, threshold: float | None) -> str:
-    """Options that belong to one mode are refused in another (a silent no-op misleads);
-    returns the draft-length setting for spec ("auto" unless given)."""
-    if gamma is not None and mode != "spec":
-        raise SpeceeError(f"--gamma {gamma} applies to --mode spec, not --mode {mode}")
-    if threshold is not None and mode != "ee":
-        raise SpeceeError(f"--threshold {threshold} applies to --mode ee, not --mode {mode}")
-    return "auto" if gamma is None else gamma
+# command-line flag of each mode option (the options themselves are the modes' dataclasses)
+_MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "provider": "--provider",
+               "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule"}
+
+
+def _mode_options(mode: str, **given):
+    """The registered mode and its typed options from the flags given; a flag that belongs
+    to another mode is refused (a silent no-op misleads)."""
+    from .engine import modes
+    from .spec.mode import parse_gamma
+
+    m = modes.get(mode)
+    given = {k: v for k, v in given.items() if v is not None}
+    for key, value in given.items():
+        if key not in {f.name for f in fields(m.Options)}:
+            owner = next((n for n in modes.names()
+                          if key in {f.name for f in fields(modes.get(n).Options)}), "?")
+            raise SpeceeError(f"{_MODE_FLAGS[key]} {value} applies to --mode {owner}, "
+                              f"not --mode {mode}")
+    if "gamma" in given:
+        given["gamma"] = parse_gamma(given["gamma"])
+    return m, m.options(**given)
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:
@@ -77,16 +92,17 @@ OptCtx = typer.Option(N_CTX, "--n-ctx", help="Context window in tokens.")
 OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
 OptMode = typer.Option("plain", "--mode",
-                       help="Decoding strategy: plain, spec (draft then verify) or ee (early exit).")
+                       help="Decoding mode: plain, spec (draft then verify) or ee (early exit).")
 OptGamma = typer.Option(None, "--gamma",
                         help="spec: auto (default; cost-aware controller, drafts only where it "
                              "pays), a fixed number of tokens per round, or stop, pmin, hf, speckv.")
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
-OptProvider = typer.Option("draft", "--provider", help="ee candidates: draft or ngram.")
+OptProvider = typer.Option(None, "--provider", help="ee candidates: draft (default) or ngram.")
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
-OptRule = typer.Option("argmax", "--exit-rule", help="ee rule: argmax (SpecEE) or candidate.")
+OptRule = typer.Option(None, "--exit-rule",
+                       help="ee rule: argmax (SpecEE, default) or candidate.")
 
 
 def _stats_line(stats) -> str:
@@ -121,27 +137,24 @@ def generate(
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
 
+    from .engine.steps import Transcript
+
     sampling = _sampling(temperature, top_k, top_p, seed)
-    gamma = _mode_options(mode, gamma, threshold)
-    ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
+    m, opts = _mode_options(mode, gamma=gamma, controller=controller, provider=provider,
+                            predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
-        llm.controller_file = controller
-        steps = llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
-                           mode=mode, ee=ee, gamma=gamma)
-        pieces, tokens, stats = [], [], None
-        for step in steps:
+        done = Transcript()
+        for step in llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
+                               mode=m, options=opts):
+            done.add(step)
             if not as_json:
                 out.print(step.text, end="", markup=False, soft_wrap=True)
-            pieces.append(step.text)
-            if step.finish_reason != "stop":
-                tokens.append(step.token)
-            stats = step.stats or stats
         if as_json:
-            print(json.dumps({"model": str(llm.model.path), "mode": mode, "text": "".join(pieces),
-                              "tokens": tokens, "stats": stats.as_dict()}))
+            print(json.dumps({"model": str(llm.model.path), "mode": mode, "text": done.text,
+                              "tokens": done.tokens, "stats": done.stats.as_dict()}))
         else:
             out.print()
-            err.print(f"[dim]{_stats_line(stats)}[/dim]")
+            err.print(f"[dim]{_stats_line(done.stats)}[/dim]")
 
 
 @app.command()
@@ -160,16 +173,16 @@ def chat(
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
+    from .engine.steps import Transcript
 
     if model is None:
         target, dft = load_registry().pair("default")
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
-    gamma = _mode_options(mode, gamma, threshold)
-    ee = EEConfig(provider=provider, predictors=predictors, threshold=threshold, rule=exit_rule)
+    m, opts = _mode_options(mode, gamma=gamma, controller=controller, provider=provider,
+                            predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
-    llm.controller_file = controller
     with llm:
         err.print(f"[bold]{llm.model.path.name}[/bold]"
                   + (f" + draft {llm.dft.model.path.name}" if llm.dft else "")
@@ -188,13 +201,11 @@ def chat(
             if not user.strip():
                 continue
             history.append({"role": "user", "content": user})
-            reply, stats = [], None
+            reply = Transcript()
             try:
                 for step in llm.stream(history, max_tokens=max_tokens, sampling=sampling,
-                                       mode=mode, ee=ee, gamma=gamma):
-                    out.print(step.text, end="", markup=False, soft_wrap=True)
-                    reply.append(step.text)
-                    stats = step.stats or stats
+                                       mode=m, options=opts):
+                    out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
             except KeyboardInterrupt:
                 err.print("\n[dim](reply stopped)[/dim]", end="")
             except SpeceeError as e:  # e.g. the history outgrew the context: keep the session
@@ -202,9 +213,9 @@ def chat(
                 history.pop()
                 continue
             out.print()
-            history.append({"role": "assistant", "content": "".join(reply)})
-            if stats is not None:
-                err.print(f"[dim]{_stats_line(stats)}[/dim]")
+            history.append({"role": "assistant", "content": reply.text})
+            if reply.stats is not None:
+                err.print(f"[dim]{_stats_line(reply.stats)}[/dim]")
 
 
 @app.command()
@@ -213,7 +224,7 @@ def calibrate(
     prompts: Path = typer.Option(DEV_PROMPTS, "--prompts",
                                  help="Spec-Bench style JSONL (default: the shipped dev half)."),
     draft: Optional[str] = OptDraft,
-    provider: str = OptProvider,
+    provider: str = typer.Option("draft", "--provider", help="Candidates: draft or ngram."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Bundle to write (.npz)."),
     n_prompts: int = typer.Option(0, "--n-prompts",
                                   help="Use N prompts spread evenly over the file (0: all)."),
@@ -223,15 +234,16 @@ def calibrate(
     n_ctx: int = OptCtx, threads: int = OptThreads,
 ) -> None:
     """Fit the early-exit predictors and the offline schedule on dev prompts."""
-    from .ee.calibrate import CalibConfig, calibrate as run_calibration, load_prompts, spread
+    from .bench.prompts import fitting_pool, load_spec_bench
+    from .ee.calibrate import CalibConfig, calibrate as run_calibration
+    from .ee.mode import bundle_path, candidates
     from .engine.llm import LLM
 
-    texts = load_prompts(prompts)
-    texts = [texts[i] for i in spread(len(texts), n_prompts)]
+    texts = [p.text for p in fitting_pool(load_spec_bench(prompts), n_prompts)]
     cfg = CalibConfig(n_tokens=n_tokens, min_layer=min_layer, threshold=threshold)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
-        cands = llm.candidates(provider, cfg.k)
-        out = out or llm.bundle_path(provider)
+        cands = candidates(llm, provider, cfg.k)
+        out = out or bundle_path(llm, provider)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("calibrating", total=len(texts))
@@ -265,7 +277,7 @@ def quantize(
     threads: int = OptThreads,
 ) -> None:
     """Make quantized variants of a model with llama.cpp's quantizer (the compression ladder)."""
-    from .models.quantize import parse_types, quantize as run_quantize
+    from .bindings.quantize import parse_types, quantize as run_quantize
     from .models.registry import resolve_model
     from .paths import models_dir
 
@@ -298,9 +310,8 @@ def profile(
     threads: int = OptThreads,
 ) -> None:
     """Record step-level speculative decoding data (draft confidence, acceptance, times)."""
-    from .ee.calibrate import spread
     from .engine.llm import LLM
-    from .engine.profile import profile as run_profile
+    from .spec.profile import profile as run_profile
 
     try:
         gamma_list = [int(g) for g in gammas.split(",")]
@@ -308,10 +319,9 @@ def profile(
         raise SpeceeError(f"--gammas must be comma-separated integers, got {gammas!r}") from None
     if not gamma_list or min(gamma_list) < 1:
         raise SpeceeError(f"--gammas must be positive, got {gammas!r}")
-    from .bench.prompts import load_spec_bench, per_category as by_category
+    from .bench.prompts import fitting_pool, load_spec_bench, per_category as by_category
 
-    records = load_spec_bench(prompts)
-    pool = [records[i] for i in spread(len(records), n_prompts)]
+    pool = fitting_pool(load_spec_bench(prompts), n_prompts)
     pairs = [(p.category, p.text) for p in by_category(pool, per_category)]
     with LLM(model, draft=draft, config=_load_config(N_CTX, threads, 0)) as llm:
         with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -336,25 +346,22 @@ def fit_controller(
 ) -> None:
     """Fit the draft-length controller (acceptance MLPs) on profile records of dev prompts;
     reports its error on every fifth prompt, held out from a first fit."""
-    from .controller.acceptance import fit, held_out_report
-    from .engine.llm import LLM
+    from .models.gguf_info import read_gguf_info
+    from .models.pull import file_sha256
+    from .models.registry import resolve_model
+    from .records import records as read_records
+    from .spec.acceptance import fit, held_out_report
+    from .spec.mode import controller_path
 
-    records = []
-    for f in profiles:
-        if not f.is_file():
-            raise SpeceeError(f"profile file not found: {f}")
-        for i, line in enumerate(f.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    raise SpeceeError(f"{f}:{i}: not a JSON record") from None
-    with LLM(target, draft=draft, config=_load_config(512, 0, 0)) as llm:
-        m = llm.model
-        meta = {"draft_sha256": llm.draft_sha256(), "draft": llm.dft.model.path.name,
-                "target_shape": [m.info.arch, m.n_layer, m.n_embd],
-                "profiles": [f.name for f in profiles]}
-        path = out_path or llm.controller_path()
+    records = [r for f in profiles for r in read_records(f, what="profile file")]
+    # the controller is keyed by the draft's bytes and checked against the target's shape:
+    # both come from the files, no model is loaded
+    draft_path, target_info = resolve_model(draft), read_gguf_info(resolve_model(target))
+    draft_sha = file_sha256(draft_path)
+    meta = {"draft_sha256": draft_sha, "draft": draft_path.name,
+            "target_shape": [target_info.arch, target_info.n_layer, target_info.n_embd],
+            "profiles": [f.name for f in profiles]}
+    path = out_path or controller_path(draft_sha)
     with err.status("fitting without the held-out prompts"):
         rep = held_out_report(records, meta=meta)
     if "rate_mae" in rep:
@@ -379,12 +386,13 @@ def costs(
 ) -> None:
     """Measure (once, then cached) the speculative cost model of a pair and show which draft
     length it would choose at each acceptance rate."""
-    from .controller.simulate import gpu_like as gpu_shape
     from .engine.llm import LLM
+    from .spec.mode import cost_model
+    from .spec.simulate import gpu_like as gpu_shape
 
     with LLM(model, draft=draft, config=_load_config(N_CTX_COSTS, threads, 0)) as llm:
         with err.status("measuring target batches 1..16 and draft tokens (once, then cached)"):
-            cm = llm.cost_model()
+            cm = cost_model(llm)
         bpw = llm.model.bits_per_weight
     from .provenance import describe
 
@@ -449,10 +457,6 @@ def bench(
                         per_category=per_category, max_tokens=max_tokens,
                         max_prompt_tokens=max_prompt_tokens, exclude_calibration=exclude_calibration, out=out_prefix,
                         threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh)
-    import shlex
-
-    argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
-    command = "specee-cpp bench " + shlex.join(argv)
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
                   console=err) as bar:
@@ -461,7 +465,7 @@ def bench(
         def progress(done: int, total: int, desc: str) -> None:
             bar.update(task, completed=done, total=total, description=desc)
 
-        summary = run(opts, command, progress, benchmarks_md=benchmarks, title=title)
+        summary = run(opts, progress, benchmarks_md=benchmarks, title=title)
     table = Table(title=f"specee-cpp bench: {summary['prompts']} prompts")
     for col in ("configuration", "tok/s", "speed-up", "acceptance", "identical to plain"):
         table.add_column(col)

@@ -45,28 +45,6 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
-class EEConfig:
-    """Early exit (SpecEE) settings; ``None`` fields come from the predictor bundle."""
-
-    provider: str = "draft"           # draft | ngram
-    predictors: str | None = None     # bundle path; None: the one shipped for the target
-    threshold: float | None = None
-    rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
-    k: int = N_CAND
-
-    def __post_init__(self) -> None:
-        if self.provider not in ("draft", "ngram"):
-            raise SpeceeError(f"unknown candidate provider {self.provider!r}; use draft or ngram")
-        if self.rule not in ("argmax", "candidate"):
-            raise SpeceeError(f"unknown exit rule {self.rule!r}; use argmax or candidate")
-        if self.k < 1:
-            raise SpeceeError(f"k must be positive, got {self.k}")
-        # a probability threshold: 1.0 never fires (the rule is prob > threshold); NaN fails too
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise SpeceeError(f"threshold must be in [0, 1] (1 never exits), got {self.threshold}")
-
-
-@dataclass(frozen=True)
 class SamplingConfig:
     """Token selection. temperature 0 is greedy (argmax), which is deterministic."""
 

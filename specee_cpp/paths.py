@@ -13,3 +13,7 @@ def home() -> Path:
 
 def models_dir() -> Path:
     return home() / "models"
+
+
+# fitted files shipped inside the package: exit predictors and draft-length controllers
+BUNDLE_DIR = Path(__file__).resolve().parent / "bundles"

@@ -37,6 +37,10 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--mode", "ee", "--threshold", "nan"], "threshold"),
     (["--mode", "ee", "--threshold", "5"], "threshold"),
     (["--threshold", "0.5"], "--threshold 0.5 applies to --mode ee"),
+    (["--mode", "spec", "--provider", "ngram"], "--provider ngram applies to --mode ee, not --mode spec"),
+    (["--controller", "c.npz"], "--controller c.npz applies to --mode spec, not --mode plain"),
+    (["--mode", "spec", "--gamma", "often"], "gamma must be a number of tokens >= 0 or one of"),
+    (["--mode", "fast"], "unknown mode 'fast'; modes: plain, spec, ee"),
 ])
 def test_bad_options_name_the_value(tiny_llama, args, needle):
     r = cli("generate", str(tiny_llama), "-p", "hi", "-n", "2", *args)

@@ -9,6 +9,7 @@ import pytest
 
 from specee_cpp.bench import configs, prompts, report
 from specee_cpp.bench.peers import parse_output
+from specee_cpp.bench.record import Record
 from specee_cpp.bench.runner import cut_at_stop, load_records
 from specee_cpp.errors import SpeceeError
 
@@ -113,19 +114,20 @@ def test_config_selection():
 # ---- report ------------------------------------------------------------------------------
 
 def _rec(pid, cat, cfg, text, n, secs, **kw):
-    return {"prompt_id": pid, "category": cat, "config": cfg, "text": text, "n_prompt": 10,
-            "prefill_s": 0.1, "n_gen": n, "decode_s": secs, "n_decode": n, "n_drafted": None,
-            "n_accept": None, "n_exit": None, "exit_layer_sum": 0, "finish_reason": None, **kw}
+    return Record(prompt_id=pid, category=cat, config=cfg, text=text, n_prompt=10,
+                  prefill_s=0.1, n_gen=n, decode_s=secs, n_decode=n, **kw)
 
 
 def test_summary_tables_json_png(tmp_path):
     sel = configs.select("lcpp-lookup,ee-ngram")
     recs = [_rec("a", "qa", "plain", "hello world", 10, 1.0),
             _rec("a", "qa", "lcpp-lookup", "hello world!", 10, 0.5, n_drafted=8, n_accept=6),
-            _rec("a", "qa", "ee-ngram", "hello there", 10, 2.0, n_exit=5, exit_layer_sum=100),
+            _rec("a", "qa", "ee-ngram", "hello there", 10, 2.0, n_exit=5, exit_layer_sum=100,
+                 agreement=0.8),
             _rec("b", "rag", "plain", "x", 10, 1.0),
             _rec("b", "rag", "lcpp-lookup", "y", 10, 1.0, n_drafted=4, n_accept=0),
-            _rec("b", "rag", "ee-ngram", "x", 10, 1.0, n_exit=0, exit_layer_sum=0),
+            _rec("b", "rag", "ee-ngram", "x", 10, 1.0, n_exit=0, exit_layer_sum=0,
+                 agreement=0.9),
             _rec("c", "rag", "plain", "unfinished run", 10, 1.0)]  # no other config: left out
     s = report.summarize(recs, sel)
     assert s["prompts"] == 2
@@ -135,6 +137,7 @@ def test_summary_tables_json_png(tmp_path):
     assert look["acceptance"] == pytest.approx(0.5) and look["identical"] == 0.5
     assert ee["exit_ratio"] == pytest.approx(0.25) and ee["mean_exit_layer"] == 20
     assert ee["common_prefix"] == pytest.approx((6 + 1) / 2)
+    assert ee["agreement"] == pytest.approx(0.85) and "agreement" not in look
     md = report.markdown(s, "specee-cpp bench X", "settings;")
     assert md.startswith("`specee-cpp bench X`") and "| lcpp-lookup | 13.3 | 1.333 |" in md
     assert "| rag | 1 | 10.0 | 1.000 | 1.000 |" in md
@@ -150,9 +153,22 @@ def test_summary_tables_json_png(tmp_path):
     assert "three" in text and "one" not in text and text.index("Quick") < text.index("Other")
 
 
+def test_bench_command_is_built_from_its_options():
+    """The command quoted above each table comes from the options, not from sys.argv: the
+    same run gives the same line however it was typed."""
+    from specee_cpp.bench.suite import BenchOptions
+
+    opts = BenchOptions(model="m", draft="d", configs="plain,spec-2", max_tokens=32,
+                        out="x y/run", fresh=True)
+    assert opts.command(Path("B.md"), "T 1") == (
+        "specee-cpp bench m --draft d --configs plain,spec-2 --max-tokens 32 --out 'x y/run' "
+        "--fresh --benchmarks B.md --title 'T 1'")
+    assert BenchOptions(model="m").command() == "specee-cpp bench m"
+
+
 def test_torn_record_line_is_dropped(tmp_path):
     f = tmp_path / "r.jsonl"
-    f.write_text(json.dumps({"prompt_id": "a", "config": "plain"}) + "\n{\"prompt_id\": ")
+    f.write_text(json.dumps(_rec("a", "qa", "plain", "t", 1, 1.0).as_dict()) + "\n{\"prompt_id\": ")
     assert len(load_records(f)) == 1
 
 
@@ -170,7 +186,7 @@ def test_bench_end_to_end(small_model, tmp_path):
                         max_tokens=12, exclude_calibration=0, out=str(tmp_path / "out" / "q"),
                         threads=2, n_ctx=512)
     seen = []
-    s = run(opts, "specee-cpp bench test", lambda d, t, desc: seen.append((d, t)),
+    s = run(opts, lambda d, t, desc: seen.append((d, t)),
             benchmarks_md=tmp_path / "B.md", title="Tiny")
     assert s["prompts"] == 2 and seen[-1] == (10, 10)
     for name in ("plain", "spec-2", "lcpp-ngram-simple", "lcpp-lookup", "pld"):
@@ -180,16 +196,22 @@ def test_bench_end_to_end(small_model, tmp_path):
     # the draft is the target itself: every drafted token is accepted
     assert s["configs"]["spec-2"]["acceptance"] == pytest.approx(1.0)
     assert s["configs"]["lcpp-lookup"]["n_drafted"] is not None
+    # teacher-forced agreement: plain against its own full-depth pass is at the noise floor
+    # (seen failing with the predictions shifted by one token); not computed for lossless
+    # speculative modes or peers
+    recs = load_records(tmp_path / "out" / "q.jsonl")
+    assert all(r.agreement >= 0.9 for r in recs if r.config == "plain")
+    assert all(r.agreement is None for r in recs if r.config != "plain")
     for ext in (".json", ".md", ".png", ".jsonl"):
         assert (tmp_path / "out" / ("q" + ext)).is_file()
     assert "## Tiny" in (tmp_path / "B.md").read_text()
     # a second run resumes: nothing left to measure, same records
-    again = run(opts, "specee-cpp bench test")
+    again = run(opts)
     assert len(load_records(tmp_path / "out" / "q.jsonl")) == 10
     assert again["configs"]["spec-2"]["tps"] == s["configs"]["spec-2"]["tps"]
     # other settings on the same output are refused, not mixed in
     with pytest.raises(SpeceeError, match="other settings"):
-        run(BenchOptions(**{**opts.__dict__, "max_tokens": 13}), "x")
+        run(BenchOptions(**{**opts.__dict__, "max_tokens": 13}))
 
 
 @pytest.mark.model
@@ -199,10 +221,10 @@ def test_bench_humaneval_scores_pass_at_1(small_model, tmp_path):
     opts = BenchOptions(model=str(small_model), draft=None, prompts="humaneval:0-1",
                         configs="plain", per_category=0, max_tokens=24,
                         out=str(tmp_path / "he"), threads=2, n_ctx=1024)
-    s = run(opts, "x")
+    s = run(opts)
     recs = load_records(tmp_path / "he.jsonl")
-    assert len(recs) == 2 and all(isinstance(r["passed"], bool) for r in recs)
-    assert s["configs"]["plain"]["pass_at_1"] == sum(r["passed"] for r in recs) / 2
+    assert len(recs) == 2 and all(isinstance(r.passed, bool) for r in recs)
+    assert s["configs"]["plain"]["pass_at_1"] == sum(r.passed for r in recs) / 2
 
 
 @pytest.mark.model
@@ -239,11 +261,11 @@ def test_interrupted_run_keeps_and_reports_what_was_measured(small_model, tmp_pa
 
     monkeypatch.setattr(runner_mod.Runner, "measure", flaky)
     with pytest.raises(KeyboardInterrupt):
-        run(opts, "x")
+        run(opts)
     assert len(load_records(tmp_path / "r.jsonl")) == 2
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
     monkeypatch.setattr(runner_mod.Runner, "measure", real)
-    assert run(opts, "x")["prompts"] == 3          # the rerun measures only what is missing
+    assert run(opts)["prompts"] == 3          # the rerun measures only what is missing
 
 
 def test_best_peer_line_leaves_out_plain_references():
@@ -262,9 +284,10 @@ def test_load_records_drops_only_a_torn_last_line(tmp_path):
     from specee_cpp.bench.runner import load_records
 
     f = tmp_path / "r.jsonl"
-    f.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "tex')  # killed while writing the last record
-    assert [r["a"] for r in load_records(f)] == [1, 2]
-    f.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    a, b = (json.dumps(_rec(x, "qa", "plain", "t", 1, 1.0).as_dict()) for x in "ab")
+    f.write_text(f'{a}\n{b}\n{{"a": 3, "tex')  # killed while writing the last record
+    assert [r.prompt_id for r in load_records(f)] == ["a", "b"]
+    f.write_text(f'{a}\n{{"a": \n{b}\n')
     with pytest.raises(SpeceeError, match=r"r.jsonl:2"):
         load_records(f)
 

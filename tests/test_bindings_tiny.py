@@ -24,6 +24,17 @@ def test_unknown_architecture_is_one_clear_error(tiny_unknown_arch):
         Model(tiny_unknown_arch)
 
 
+def test_the_library_says_which_architectures_it_loads():
+    """Asked before loading (patch 0005), not read from llama.cpp's log: a name llama.cpp
+    knows but has no model class for (gptj, in this pinned version) is refused like an
+    unknown one."""
+    from specee_cpp.bindings._ffi import llama_specee_arch_supported as supported
+
+    assert supported(b"qwen2") and supported(b"llama") and supported(b"qwen3")
+    assert not supported(b"notanarch") and not supported(b"(unknown)") and not supported(b"")
+    assert not supported(b"gptj")
+
+
 def test_tokenize_roundtrip(tiny_llama):
     model = Model(tiny_llama)
     ids = model.tokenize("the cat sat", add_special=True)

@@ -159,4 +159,4 @@ def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
     assert spec["tokens"] == json.loads(plain.stdout)["tokens"]
     assert spec["stats"]["n_drafted"] > spec["stats"]["n_accept"] > 0  # drafted, some rejected
     assert_one_line_error(run("generate", small_model, "--draft", small_model, "--mode", "spec",
-                              "--gamma", "often", "-p", "x"), "unknown draft-length policy")
+                              "--gamma", "often", "-p", "x"), "gamma must be a number of tokens")

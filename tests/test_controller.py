@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from specee_cpp.config import LoadConfig
-from specee_cpp.controller import acceptance, policies, simulate
-from specee_cpp.engine.cost import CostModel
+from specee_cpp.spec import acceptance, policies, simulate
+from specee_cpp.spec.cost import CostModel
 from specee_cpp.errors import SpeceeError
 
 # the shape measured on this CPU (specee-cpp costs): draft 0.59 of a target token, verify
@@ -126,7 +126,7 @@ def pair(small_model, tmp_path_factory):
     but a draft that is often wrong, so that verification rejects and rolls back for real
     (a target drafting for itself is accepted almost always and hides rollback bugs)."""
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.models.quantize import quantize
+    from specee_cpp.bindings.quantize import quantize
 
     draft, _ = quantize(small_model, "Q2_K", tmp_path_factory.mktemp("rough-draft"), n_threads=2)
     with LLM(small_model, draft=draft, config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
@@ -140,7 +140,7 @@ def test_every_policy_is_lossless(pair, model):
             lambda: policies.CostAwareGamma(model, GPU, 4.85),
             lambda: policies.CostAwareStop(model, GPU, 4.85)]
     from specee_cpp.config import SamplingConfig
-    from specee_cpp.engine.speculative import generate_spec
+    from specee_cpp.spec.decode import generate_spec
     from specee_cpp.engine.steps import stream
 
     rejected: dict[str, int] = {}
@@ -165,14 +165,15 @@ def test_every_policy_is_lossless(pair, model):
 
 @pytest.mark.model
 def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
+    from specee_cpp.spec.mode import SpecOptions, use_cost_model
+
     model.save(tmp_path / "ctl.npz")
-    pair.controller_file = str(tmp_path / "ctl.npz")
-    pair._controller = None
-    pair._costs = CPU          # the shape measured on this machine: drafting cannot pay
-    res = pair.generate("def fib(n):", max_tokens=24, mode="spec", gamma="auto")
+    use_cost_model(pair, CPU)   # the shape measured on this machine: drafting cannot pay
+    opts = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz")
+    res = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=opts)
     assert res.tokens == pair.generate("def fib(n):", max_tokens=24).tokens
     assert res.stats.n_drafted == 0
-    with pytest.raises(SpeceeError, match="unknown draft-length policy"):
+    with pytest.raises(SpeceeError, match="gamma must be a number of tokens >= 0 or one of"):
         pair.generate("x", max_tokens=2, mode="spec", gamma="sometimes")
 
 

@@ -3,8 +3,9 @@ import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp import provenance
-from specee_cpp.engine import cost
-from specee_cpp.engine.cost import CostModel
+from specee_cpp.spec import cost
+from specee_cpp.spec.mode import cost_model
+from specee_cpp.spec.cost import CostModel
 from specee_cpp.engine.llm import LLM
 from tiny_gguf import write_tiny_model
 
@@ -53,7 +54,7 @@ def test_cost_model_records_its_machine(tmp_path, monkeypatch):
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
     d = write_tiny_model(tmp_path / "d.gguf", seed=2)
     with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
-        m = llm.cost_model()
+        m = cost_model(llm)
     assert m.machine["threads"] == 1 and m.machine["build"] and m.machine["features"]
     assert f"-m{provenance.machine_id(m.machine)}-" in m.key  # another machine: another entry
     assert "threads" in provenance.describe(m.machine)

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from specee_cpp.config import EEConfig, LoadConfig
+from specee_cpp.config import LoadConfig
+from specee_cpp.ee.mode import EEOptions
 from specee_cpp.ee.calibrate import CalibConfig, calibrate
 from specee_cpp.ee.candidates import NgramCandidates
 from specee_cpp.ee.predictor import Predictors
@@ -51,7 +52,7 @@ def test_threshold_one_reproduces_plain(bundle, small_llm):
     for prompt in PROMPTS[:3]:
         plain = small_llm.generate(prompt, max_tokens=40)
         ee = small_llm.generate(prompt, max_tokens=40, mode="ee",
-                                ee=EEConfig(provider="ngram", predictors=str(out), threshold=1.0))
+                                options=EEOptions(provider="ngram", predictors=str(out), threshold=1.0))
         assert ee.tokens == plain.tokens
         assert ee.stats.exit_layers == {}
 
@@ -59,7 +60,7 @@ def test_threshold_one_reproduces_plain(bundle, small_llm):
 def test_exits_happen_and_are_reported(bundle, small_llm):
     out, _ = bundle
     res = small_llm.generate(PROMPTS[0], max_tokens=48, mode="ee",
-                             ee=EEConfig(provider="ngram", predictors=str(out), threshold=0.05))
+                             options=EEOptions(provider="ngram", predictors=str(out), threshold=0.05))
     n_exit = sum(res.stats.exit_layers.values())
     assert n_exit > 0 and all(18 <= l < 29 for l in res.stats.exit_layers)
     assert {"draft", "layers", "probe", "head"} <= set(res.stats.timings)
@@ -75,7 +76,7 @@ def test_bundle_for_another_model_is_refused(bundle, tiny_llama):
     with LLM(tiny_llama, config=LoadConfig(n_ctx=128, n_threads=1)) as llm:
         with pytest.raises(SpeceeError, match="fitted on SmolLM2"):
             llm.generate("hi", max_tokens=2, chat=False, mode="ee",
-                         ee=EEConfig(provider="ngram", predictors=str(out)))
+                         options=EEOptions(provider="ngram", predictors=str(out)))
 
 
 def test_ee_errors(small_llm, bundle):
@@ -84,9 +85,9 @@ def test_ee_errors(small_llm, bundle):
 
     with pytest.raises(SpeceeError, match="greedily"):
         small_llm.generate("hi", max_tokens=2, mode="ee", sampling=SamplingConfig(temperature=1),
-                           ee=EEConfig(provider="ngram", predictors=str(out)))
+                           options=EEOptions(provider="ngram", predictors=str(out)))
     with pytest.raises(SpeceeError, match="needs a draft"):
         small_llm.generate("hi", max_tokens=2, mode="ee",
-                           ee=EEConfig(provider="draft", predictors=str(out)))
+                           options=EEOptions(provider="draft", predictors=str(out)))
     with pytest.raises(SpeceeError, match="unknown candidate provider"):
-        EEConfig(provider="magic")
+        EEOptions(provider="magic")

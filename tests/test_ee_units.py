@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from specee_cpp.ee.calibrate import load_prompt_records, load_prompts, masked, spread
+from specee_cpp.bench.prompts import load_spec_bench, spread
+from specee_cpp.ee.calibrate import masked
 from specee_cpp.ee.candidates import NgramCandidates, top_k
 from specee_cpp.ee.features import PAD_GAP, features, pad_logits
 from specee_cpp.ee.predictor import Predictors, stack
@@ -95,14 +96,13 @@ def test_spread_and_records(tmp_path):
     assert spread(10, 3) == [0, 3, 6] and spread(4, 0) == spread(4, 9) == [0, 1, 2, 3]
     f = tmp_path / "p.jsonl"
     f.write_text('{"category": "qa", "turns": ["a?"]}\n\n{"turns": ["b"]}\n')
-    assert load_prompt_records(f) == [("qa", "a?"), ("?", "b")]
-    assert load_prompts(f) == ["a?", "b"]
+    assert [(p.source_category, p.text) for p in load_spec_bench(f)] == [("qa", "a?"), ("?", "b")]
 
 
 def test_prompt_file_errors(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"turns": ["hi"]}\n{"turns": []}\n')
     with pytest.raises(SpeceeError, match="p.jsonl:2"):
-        load_prompts(f)
+        load_spec_bench(f)
     with pytest.raises(SpeceeError, match="not found"):
-        load_prompts(tmp_path / "none.jsonl")
+        load_spec_bench(tmp_path / "none.jsonl")

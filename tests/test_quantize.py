@@ -8,7 +8,7 @@ from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM
 from specee_cpp.errors import SpeceeError
 from specee_cpp.models.gguf_info import read_gguf_info
-from specee_cpp.models.quantize import parse_types, quantize
+from specee_cpp.bindings.quantize import parse_types, quantize
 from tiny_gguf import write_tiny_model
 
 

@@ -46,6 +46,22 @@ def begin(ctx, tokens, pos0):
     return b
 
 
+def staged_after_prompt(model, tokens, layers):
+    """A context holding PROMPT with ``tokens`` staged after it and run to ``layers``."""
+    ctx = make_ctx(model)
+    decode(ctx, PROMPT, 0)
+    begin(ctx, tokens, len(PROMPT))
+    ctx.stage_run(layers)
+    return ctx
+
+
+def assert_next(ctx, ref, cache, token, pos):
+    """Decoding ``token`` at ``pos`` gives the reference's logits over ``cache``."""
+    got = decode(ctx, [token], pos)
+    want, _ = ref.forward([token], [pos], cache)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
 def test_plain_decode_matches_reference(tiny):
     model, ref = tiny
     ctx = make_ctx(model)
@@ -143,10 +159,7 @@ def test_head_peek_keeps_the_stage_open(tiny, layer):
 
 def test_exit_without_head_then_seq_rm(tiny):
     model, ref = tiny
-    ctx = make_ctx(model)
-    decode(ctx, PROMPT, 0)
-    begin(ctx, [70, 71], len(PROMPT))
-    ctx.stage_run(2)
+    ctx = staged_after_prompt(model, [70, 71], 2)
     ctx.stage_exit(full_head=False)
     with pytest.raises(DecodeError):
         ctx.logits(0)  # no logits without the head
@@ -160,22 +173,15 @@ def test_exit_without_head_then_seq_rm(tiny):
 
 def test_abort_and_decode_during_stage_remove_positions(tiny):
     model, ref = tiny
-    ctx = make_ctx(model)
-    decode(ctx, PROMPT, 0)
-    begin(ctx, [80, 81], len(PROMPT))
-    ctx.stage_run(1)
+    ctx = staged_after_prompt(model, [80, 81], 1)
     ctx.stage_abort()
     assert ctx.stage_layer == -1
-    got = decode(ctx, [82], len(PROMPT))
     cache = prompt_cache(ref)
-    want, _ = ref.forward([82], [len(PROMPT)], cache)
-    np.testing.assert_allclose(got, want, **TOL)
+    assert_next(ctx, ref, cache, 82, len(PROMPT))
     # llama_decode while a stage is open discards the stage the same way
     begin(ctx, [90], len(PROMPT) + 1)
     ctx.stage_run(2)
-    got = decode(ctx, [83], len(PROMPT) + 1)
-    want, _ = ref.forward([83], [len(PROMPT) + 1], cache)
-    np.testing.assert_allclose(got, want, **TOL)
+    assert_next(ctx, ref, cache, 83, len(PROMPT) + 1)
 
 
 def test_invalid_stage_calls(tiny):

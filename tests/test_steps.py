@@ -23,6 +23,8 @@ def test_text_and_eog():
     assert [s.finish_reason for s in steps[:-1]] == [None] * 4
     st = last.stats
     assert (st.n_prompt, st.n_gen, st.n_drafted, st.n_accept) == (4, 4, 10, 5)
+    # the first token came from the prefill; the end-of-generation token took a pass
+    assert st.n_decode == 4
     assert st.prefill_s == 0.5 and st.timings["decode"] == 0.4
     assert st.exit_layers == {3: 1}
     # five rounds of 2 drafted, 1 accepted: position 0 always accepted, position 1 never
@@ -33,6 +35,7 @@ def test_text_and_eog():
 def test_max_tokens():
     steps = run([1, 2, 3, 4], max_tokens=2)
     assert len(steps) == 2 and steps[-1].finish_reason == "length"
+    assert steps[-1].stats.n_decode == 1     # the prefill's token is not a decode
     assert "".join(s.text for s in steps) == "Hello"
 
 

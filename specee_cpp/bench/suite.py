@@ -3,7 +3,7 @@ peers, measure (resumably), then write JSON, markdown and PNG next to the raw re
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -18,8 +18,8 @@ from .report import markdown, summarize, write_json, write_png, write_section
 @dataclass(frozen=True)
 class BenchOptions:
     model: str
-    draft: str | None
-    prompts: str                      # JSONL path or humaneval:LO-HI
+    draft: str | None = None
+    prompts: str = str(prompts_mod.DEV_PROMPTS)   # JSONL path or humaneval:LO-HI
     configs: str = "quick"
     per_category: int = 3
     max_tokens: int = 64
@@ -32,6 +32,22 @@ class BenchOptions:
     static_corpus_mb: float = 8.0
     fresh: bool = False
 
+    def command(self, benchmarks_md: Path | None = None, title: str = "") -> str:
+        """The command line that makes this run: the options that differ from the
+        defaults, in a fixed order (what BENCHMARKS.md quotes above each table)."""
+        import shlex
+
+        argv = ["specee-cpp", "bench", self.model]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _FLAGS and value != f.default:
+                argv += [_FLAGS[f.name]] + ([] if value is True else [str(value)])
+        if benchmarks_md is not None:
+            argv += ["--benchmarks", str(benchmarks_md)]
+        if title:
+            argv += ["--title", title]
+        return shlex.join(argv)
+
     def settings(self) -> dict:
         """What makes records comparable: a resumed run must use the same, on the same
         machine and build (provenance.machine)."""
@@ -42,13 +58,19 @@ class BenchOptions:
         return out
 
 
-def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
-    from ..ee.calibrate import spread
+_FLAGS = {"draft": "--draft", "prompts": "--prompts", "configs": "--configs",
+          "per_category": "--per-category", "max_tokens": "--max-tokens",
+          "max_prompt_tokens": "--max-prompt-tokens",
+          "exclude_calibration": "--exclude-calibration", "out": "--out",
+          "threads": "--threads", "gpu_layers": "--gpu-layers", "n_ctx": "--n-ctx",
+          "fresh": "--fresh"}
 
+
+def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
     all_p = prompts_mod.load(opts.prompts)
     exclude = set()
     if not opts.prompts.startswith("humaneval:") and opts.exclude_calibration:
-        exclude = {all_p[i].id for i in spread(len(all_p), opts.exclude_calibration)}
+        exclude = {p.id for p in prompts_mod.fitting_pool(all_p, opts.exclude_calibration)}
     chosen = prompts_mod.per_category(all_p, opts.per_category, exclude)
     if not chosen:
         raise SpeceeError(f"no prompts left in {opts.prompts} after excluding "
@@ -85,7 +107,7 @@ def _check_settings(raw: Path, opts: BenchOptions) -> None:
     meta.write_text(json.dumps(opts.settings()))
 
 
-def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], None] | None = None,
+def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = None,
         benchmarks_md: Path | None = None, title: str = "") -> dict:
     """Measure, write the outputs, return the summary. On Ctrl-C the records measured so far
     are summarized and written before the interrupt goes on."""
@@ -95,6 +117,7 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
 
     if opts.max_tokens < 1:
         raise SpeceeError(f"--max-tokens must be positive, got {opts.max_tokens}")
+    command = opts.command(benchmarks_md, title)
     configs = configs_mod.select(opts.configs)
     chosen = select_prompts(opts)
     prefix = Path(opts.out)
@@ -121,8 +144,8 @@ def run(opts: BenchOptions, command: str, progress: Callable[[int, int, str], No
         finally:
             runner.close()
             # also on Ctrl-C: whatever was measured is summarized
-            records = [r for r in load_records(raw) if r["prompt_id"] in {p.id for p in chosen}
-                       and r["config"] in {c.name for c in configs}]
+            records = [r for r in load_records(raw) if r.prompt_id in {p.id for p in chosen}
+                       and r.config in {c.name for c in configs}]
             summary = summarize(records, configs)
             if summary["prompts"]:
                 cut = (f", user messages over {opts.max_prompt_tokens} tokens cut in the "

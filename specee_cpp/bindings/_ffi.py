@@ -10,7 +10,7 @@ import ctypes
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 3
+REQUIRED_PATCH_VERSION = 4
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -35,6 +35,11 @@ def _bind(name: str, argtypes: list, restype):
 
 # int32_t llama_specee_patch_version(void);
 llama_specee_patch_version = _bind("llama_specee_patch_version", [], ctypes.c_int32)
+
+# checked before the other symbols: an older patched build lacks some and is told so
+# bool llama_specee_arch_supported(const char * name);
+llama_specee_arch_supported = _bind("llama_specee_arch_supported", [ctypes.c_char_p],
+                                    ctypes.c_bool)
 
 # int32_t llama_specee_set_layer_inp(struct llama_context * ctx, int32_t il, bool enable);
 llama_specee_set_layer_inp = _bind(

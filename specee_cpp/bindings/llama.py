@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import os
 import sys
 from pathlib import Path
@@ -62,6 +63,10 @@ class Model:
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True):
         self.path = Path(path)
         self.info: GGUFInfo = read_gguf_info(self.path)  # clear error before llama.cpp sees it
+        if not _ffi.llama_specee_arch_supported(self.info.arch.encode()):
+            raise UnsupportedArchitectureError(
+                f"architecture {self.info.arch!r} of {self.path} is not supported by this "
+                f"llama.cpp build")
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         # extra CPU buffer types (AMX, CPU_REPACK) hold weights in layouts for the fast
@@ -70,11 +75,6 @@ class Model:
         _LOG.clear()
         ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
-            log = "".join(_LOG)
-            if "unknown model architecture" in log or "unsupported model architecture" in log:
-                raise UnsupportedArchitectureError(
-                    f"architecture {self.info.arch!r} of {self.path} is not supported by this "
-                    f"llama.cpp build")
             raise ModelFileError(f"llama.cpp could not load {self.path}: {_last_error()}")
         self.ptr = ptr
         self.vocab = ll.llama_model_get_vocab(ptr)
@@ -89,6 +89,14 @@ class Model:
             self.ptr = None
 
     __del__ = close
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """sha256 of the GGUF file (pull's stamp when the file is unchanged since), computed
+        once: it keys shipped predictor bundles, controllers and cost caches."""
+        from ..models.pull import file_sha256
+
+        return file_sha256(self.path)
 
     @property
     def chat_template(self) -> str | None:

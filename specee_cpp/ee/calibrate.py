@@ -46,26 +46,6 @@ class CalibConfig:
     seed: int = 0
 
 
-def spread(n_items: int, n: int) -> list[int]:
-    """Indices of n items spread evenly over n_items (all of them if n is 0 or too large),
-    so that every category of a file sorted by category is represented."""
-    if not 0 < n < n_items:
-        return list(range(n_items))
-    return [i * n_items // n for i in range(n)]
-
-
-def load_prompts(path: Path) -> list[str]:
-    """First turns of a Spec-Bench style JSONL file; a bad line is reported by number."""
-    return [text for _, text in load_prompt_records(path)]
-
-
-def load_prompt_records(path: Path) -> list[tuple[str, str]]:
-    """(category, first turn) of each record of a Spec-Bench style JSONL file."""
-    from ..bench.prompts import load_spec_bench
-
-    return [(p.source_category, p.text) for p in load_spec_bench(Path(path))]
-
-
 def collect_one(llm: LLM, provider: CandidateProvider, prompt: list[int], layers: list[int],
                 n_tokens: int, k: int) -> dict:
     """Probes and argmax at ``layers`` along the greedy continuation of ``prompt``."""
@@ -189,7 +169,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         raise SpeceeError(f"min_layer {min_layer} out of range [1, {n_layer - 1})")
     layers = list(range(min_layer, n_layer - 1))
     out = Path(out)
-    target_sha = llm.target_sha256()
+    target_sha = llm.model.sha256
     key = hashlib.sha256(json.dumps([target_sha, provider.name, layers, cfg.n_tokens,
                                      cfg.k]).encode()).hexdigest()[:12]
     # one record per prompt, named by the prompt: a stopped run, or one on another subset of

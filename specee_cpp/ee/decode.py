@@ -36,8 +36,7 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
     token, exit_layer = int(np.argmax(logits)), None
     timings = {"prefill": clock() - t0}
     while True:
-        yield Step(token=token, source="exit" if exit_layer is not None else "target",
-                   exit_layer=exit_layer, timings=timings)
+        yield Step(token=token, exit_layer=exit_layer, timings=timings)
         t0 = clock()
         provider.accept(token)
         cand = provider.propose()

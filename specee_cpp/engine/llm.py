@@ -1,32 +1,22 @@
 """The Python API: load a target (and optionally a draft) and stream generations."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 from ..bindings import Context, Model
-from ..config import EEConfig, LoadConfig, SamplingConfig
+from ..config import LoadConfig, SamplingConfig
 from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
 from ..models.gguf_info import read_gguf_info
 from ..models.registry import resolve_model
+from . import modes
+from . import plain as _plain  # noqa: F401  (registers the plain mode)
 from .chat_template import ChatTemplate
-from .plain import generate_plain
-from .sampling import make_sampler
+from .modes import Mode
 from .sequence import Sequence
-from .speculative import generate_spec
-from .steps import Stats, Step, stream
+from .steps import Result, Step, Transcript, stream
 
 Prompt = str | list[dict]
-MODES = ("plain", "spec", "ee")
-BUNDLE_DIR = Path(__file__).resolve().parent.parent / "bundles"
-
-
-@dataclass(frozen=True)
-class Result:
-    text: str
-    tokens: list[int]
-    stats: Stats
 
 
 def check_same_tokenizer(target: Path, draft: Path) -> None:
@@ -70,12 +60,7 @@ class LLM:
         self.tgt = _Loaded(target_path, config)
         self.dft = _Loaded(draft_path, config) if draft_path is not None else None
         self._template: ChatTemplate | None = None
-        self._bundles: dict[Path, object] = {}   # loaded predictor bundles by path
-        self._target_sha: str | None = None      # hashed on first early-exit use
-        self._draft_sha: str | None = None       # hashed on first controller/cost use
-        self._costs = None                       # measured/cached on first use
-        self._controller = None
-        self.controller_file: str | None = None  # overrides the shipped controller
+        self._cache: dict[tuple, Any] = {}       # see cached()
 
     @property
     def model(self) -> Model:
@@ -114,174 +99,52 @@ class LLM:
         return self.model.tokenize(self.prompt_text(prompt), add_special=False,
                                    parse_special=True)
 
-    def target_sha256(self) -> str:
-        """sha256 of the target GGUF (from pull's stamp when possible), computed once."""
-        from ..models.pull import file_sha256
+    def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """What a mode derives from this LLM's models once (a predictor bundle, a cost
+        model), kept as long as the LLM: ``make()`` runs on the first call with ``key``."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
-        if self._target_sha is None:
-            self._target_sha = file_sha256(self.model.path)
-        return self._target_sha
-
-    def draft_sha256(self) -> str:
-        """sha256 of the draft GGUF, computed once (keys the cost model and the controller)."""
-        from ..models.pull import file_sha256
-
-        if self.dft is None:
-            raise SpeceeError("no draft model loaded (--draft)")
-        if self._draft_sha is None:
-            self._draft_sha = file_sha256(self.dft.model.path)
-        return self._draft_sha
-
-    def bundle_path(self, provider: str) -> Path:
-        """Where the shipped (or default calibrated) exit predictors for this target live."""
-        return BUNDLE_DIR / f"{self.target_sha256()[:16]}.{provider}.npz"
-
-    def candidates(self, provider: str, k: int):
-        """A fresh candidate provider of this LLM: ``draft`` (needs a draft) or ``ngram``."""
-        from ..ee.candidates import DraftCandidates, NgramCandidates
-
-        if provider == "draft":
-            if self.dft is None:
-                raise SpeceeError("the draft provider needs a draft model (--draft)")
-            return DraftCandidates(self.dft.seq, k=k)
-        if provider == "ngram":
-            return NgramCandidates(k=k)
-        raise SpeceeError(f"unknown candidate provider {provider!r}; use draft or ngram")
-
-    def predictors(self, ee: EEConfig):
-        """The exit predictors for this target and provider (checked against the target)."""
-        from ..ee.predictor import Predictors
-
-        sha = self.target_sha256()
-        path = Path(ee.predictors) if ee.predictors else self.bundle_path(ee.provider)
-        if path not in self._bundles:
-            if not ee.predictors and not path.is_file():
-                raise SpeceeError(
-                    f"no shipped exit predictors for {self.model.path.name} with the "
-                    f"{ee.provider} provider; run specee-cpp calibrate and pass --predictors")
-            pred = Predictors.load(path)
-            pred.check_target(sha, self.model.n_layer, self.model.path)
-            if pred.k != ee.k:
-                raise SpeceeError(f"predictor bundle {path.name} uses k={pred.k}, not k={ee.k}")
-            self._bundles[path] = pred
-        return self._bundles[path]
-
-    def _ee_steps(self, tokens: list[int], sampling: SamplingConfig, ee: EEConfig):
-        from ..ee.decode import generate_ee
-        from ..ee.scheduler import Scheduler
-
-        if not sampling.greedy:
-            raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
-                              f"got temperature {sampling.temperature}")
-        provider = self.candidates(ee.provider, ee.k)
-        pred = self.predictors(ee)
-        if pred.meta.get("provider") != ee.provider:
-            raise SpeceeError(f"predictor bundle was fitted with the {pred.meta.get('provider')} "
-                              f"provider, not {ee.provider}")
-        rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
-        sched = Scheduler(n_layer=self.model.n_layer, offline=pred.meta.get("offline", pred.layers),
-                          allowed=set(pred.layers), exit_rate=rates,
-                          layer_cost=pred.meta.get("layer_cost_s", 0.0),
-                          probe_cost=pred.meta.get("probe_cost_s", 0.0))
-        threshold = pred.threshold if ee.threshold is None else ee.threshold
-        return generate_ee(self.tgt.seq, tokens, provider, pred, sched, threshold, rule=ee.rule)
-
-    def cost_model(self):
-        """This machine's speculative cost model for the loaded pair (measured on first use
-        in ~10 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
-        from .cost import MEASURE_VERSION, load_or_measure, measure
-
-        if self.dft is None:
-            raise SpeceeError("a cost model needs a draft model (--draft)")
-        if self._costs is None:
-            from ..provenance import machine, machine_id
-
-            # the machine (CPU features, build, threads, AMX switch) is part of the key: a
-            # cache copied to another machine, or a rebuilt library, measures again
-            where = machine(self.config.threads)
-            key = (f"{self.target_sha256()[:12]}-{self.draft_sha256()[:12]}"
-                   f"-m{machine_id(where)}-v{MEASURE_VERSION}")
-            prompt = self.prompt_tokens("Write a function that parses a date and explain it.")
-            self._costs = load_or_measure(
-                key, lambda: replace(measure(self.tgt.seq, self.dft.seq, prompt), machine=where))
-        return self._costs
-
-    def controller_path(self) -> Path:
-        """The shipped acceptance model for this draft (any quantization of its target)."""
-        return BUNDLE_DIR / f"controller-{self.draft_sha256()[:16]}.npz"
-
-    def controller(self):
-        """The fitted acceptance model (``controller`` path given at load, else shipped),
-        refused for a target of another shape than it was fitted on."""
-        from ..controller.acceptance import AcceptanceModel
-
-        if self._controller is None:
-            path = Path(self.controller_file) if self.controller_file else self.controller_path()
-            if not self.controller_file and not path.is_file():
-                raise SpeceeError(f"no shipped draft-length controller for draft "
-                                  f"{self.dft.model.path.name}; pass a fixed --gamma N or fit "
-                                  f"one with specee-cpp fit-controller")
-            model = AcceptanceModel.load(path)
-            shape = [self.model.info.arch, self.model.n_layer, self.model.n_embd]
-            if model.meta.get("target_shape", shape) != shape:
-                raise SpeceeError(f"controller {path.name} was fitted for a target of shape "
-                                  f"{model.meta['target_shape']}, not {shape}")
-            self._controller = model
-        return self._controller
-
-    def draft_policy(self, gamma: int | str):
-        """A fresh draft-length policy: a number (fixed gamma, 0 is plain decoding), auto
-        (ours, cost-aware gamma), stop (ours, cost-aware per-token stop), pmin (llama.cpp's
-        p_min 0.75 / max 8), hf (HF's heuristic) or speckv (SpecKV's objective)."""
-        from ..controller.policies import make_policy
-
-        name = str(gamma).strip().lower()
-        if name.isdigit() and not 0 <= int(name) < self.config.n_batch:
-            raise SpeceeError(f"gamma must be in [0, {self.config.n_batch}), got {gamma}")
-        needs_model = name in ("auto", "stop", "speckv")
-        return make_policy(name, model=self.controller() if needs_model else None,
-                           costs=self.cost_model() if name in ("auto", "stop") else None,
-                           bpw=self.model.bits_per_weight)
+    def remember(self, key: tuple, value: Any) -> None:
+        """Set what :meth:`cached` returns for ``key`` (a mode's override)."""
+        self._cache[key] = value
 
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
-               chat: bool = True, mode: str = "plain", ee: EEConfig = EEConfig(),
-               gamma: int | str = "auto") -> Iterator[Step]:
+               chat: bool = True, mode: str | Mode = "plain", options: Any = None,
+               **mode_options: Any) -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
-        carries ``finish_reason`` and ``stats``. ``gamma`` (mode spec): tokens drafted per
-        round, or a policy name (auto, stop, pmin, hf, speckv; see :meth:`draft_policy`)."""
-        if mode not in MODES:
-            raise SpeceeError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+        carries ``finish_reason`` and ``stats``. ``mode``: a registered mode's name (plain,
+        spec, ee, ...) or object; its options either as ``options`` (the mode's Options
+        dataclass) or as keywords, e.g. ``mode="spec", gamma=4``."""
+        m = modes.get(mode) if isinstance(mode, str) else mode
+        if options is not None and mode_options:
+            raise SpeceeError("pass the mode's options either as options= or as keywords, "
+                              "not both")
+        opts = options if options is not None else m.options(**mode_options)
+        if not isinstance(opts, m.Options):
+            raise SpeceeError(f"mode {m.name} takes {m.Options.__name__}, "
+                              f"got {type(opts).__name__}")
         if max_tokens < 1:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
-        policy = None
-        if mode == "spec":
-            if self.dft is None:
-                raise SpeceeError("mode spec needs a draft model (--draft)")
-            policy = self.draft_policy(gamma)
+        if m.needs_draft and self.dft is None:
+            raise SpeceeError(f"mode {m.name} needs a draft model (--draft)")
+        start = m.start(self, sampling, opts)   # fails here, before any decoding
         tokens = self.prompt_tokens(prompt, chat=chat)
         if len(tokens) + max_tokens > self.tgt.ctx.n_ctx:
             raise ContextOverflowError(
                 f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceed the context "
                 f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
-        if mode == "ee":
-            steps = self._ee_steps(tokens, sampling, ee)
-        elif mode == "spec" and not policy.plan_is_plain:
-            steps = generate_spec(self.tgt.seq, self.dft.seq, tokens, policy, sampling)
-        else:
-            steps = generate_plain(self.tgt.seq, tokens, make_sampler(sampling))
-        return stream(steps, piece=self.model.token_to_piece, is_eog=self.model.is_eog,
+        return stream(start(tokens), piece=self.model.token_to_piece, is_eog=self.model.is_eog,
                       max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop))
 
     def generate(self, prompt: Prompt, **kw) -> Result:
         """Run :meth:`stream` to the end and return the text, token ids and statistics."""
-        text, toks, stats = [], [], None
+        done = Transcript()
         for step in self.stream(prompt, **kw):
-            text.append(step.text)
-            if step.finish_reason != "stop":
-                toks.append(step.token)
-            stats = step.stats or stats
-        return Result(text="".join(text), tokens=toks, stats=stats)
+            done.add(step)
+        return done.result()
 
 
 def load(model: str | Path, draft: str | Path | None = None, **config) -> LLM:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from .sampling import Sampler
-from .sequence import Sequence
+from .modes import Mode, register
+from .sampling import Sampler, make_sampler
 from .steps import Step
+
+if TYPE_CHECKING:  # the plain mode registers without loading libllama
+    from .sequence import Sequence
 
 
 def generate_plain(seq: Sequence, prompt: list[int], sampler: Sampler) -> Iterator[Step]:
@@ -23,3 +26,17 @@ def generate_plain(seq: Sequence, prompt: list[int], sampler: Sampler) -> Iterat
         t0 = time.perf_counter()
         logits = seq.feed([token])
         timings = {"decode": time.perf_counter() - t0}
+
+
+class Plain(Mode):
+    """The reference every other mode is measured (and, if lossless, checked) against."""
+
+    name = "plain"
+    help = "one target decode per token"
+
+    def start(self, llm, sampling, opts):
+        sampler = make_sampler(sampling)
+        return lambda tokens: generate_plain(llm.tgt.seq, tokens, sampler)
+
+
+PLAIN = register(Plain())

@@ -24,6 +24,9 @@ class Stats:
     decode_s: float
     n_drafted: int = 0
     n_accept: int = 0
+    # tokens whose forward pass falls in decode_s: every step after the first (which comes
+    # from the prefill's logits), a final end-of-generation token included
+    n_decode: int = 0
     exit_layers: dict[int, int] = field(default_factory=dict)   # exit layer -> count
     # speculative rounds: [drafted at position i, accepted at position i] for i = 0, 1, ...
     accept_by_pos: list[list[int]] = field(default_factory=list)
@@ -32,7 +35,8 @@ class Stats:
 
     @property
     def decode_tps(self) -> float:
-        return self.n_gen / self.decode_s if self.decode_s > 0 else 0.0
+        """Decode tokens/s: the one definition (the CLI's line, the API, the benchmark)."""
+        return self.n_decode / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -44,7 +48,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         return {
-            "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "n_prompt": self.n_prompt, "n_gen": self.n_gen, "n_decode": self.n_decode,
             "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
             "prefill_tps": round(self.prefill_tps, 3), "decode_tps": round(self.decode_tps, 3),
             "n_drafted": self.n_drafted, "n_accept": self.n_accept,
@@ -66,7 +70,6 @@ class Step:
     """
 
     token: int
-    source: str = "target"          # target | draft (accepted draft token) | exit
     exit_layer: int | None = None   # layer the target exited at, None for full depth
     n_drafted: int = 0              # tokens drafted in the step that produced this token
     n_accept: int = 0               # of which accepted
@@ -112,7 +115,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     pending = ""                      # text not yet released (possible stop-string prefix)
     totals: Counter[str] = Counter()
     exits: Counter[int] = Counter()
-    n_gen = n_drafted = n_accept = 0
+    n_gen = n_steps = n_drafted = n_accept = 0
     by_pos: list[list[int]] = []
     t_start = time.perf_counter()
 
@@ -120,6 +123,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
         decode_s = time.perf_counter() - t_start - totals["prefill"]
         stats = Stats(n_prompt=n_prompt, n_gen=n_gen, prefill_s=totals["prefill"],
                       decode_s=max(decode_s, 0.0), n_drafted=n_drafted, n_accept=n_accept,
+                      n_decode=max(n_steps - 1, 0),
                       accept_by_pos=[list(x) for x in by_pos],
                       exit_layers=dict(exits), timings=dict(totals), finish_reason=reason)
         return replace(step, text=text, finish_reason=reason, stats=stats)
@@ -127,6 +131,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     it = iter(steps)
     try:
         for step in it:
+            n_steps += 1
             totals.update(step.timings)
             n_drafted += step.n_drafted
             n_accept += step.n_accept
@@ -157,3 +162,35 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
         close = getattr(it, "close", None)
         if close:
             close()  # lets the strategy rewind its KV state in its own finally
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    tokens: list[int]
+    stats: Stats | None
+
+
+class Transcript:
+    """A generation accumulated step by step: the API's ``generate``, the CLI's generate
+    and chat all read text, tokens and statistics from here (a reply stopped half-way
+    keeps what it had)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.tokens: list[int] = []
+        self.stats: Stats | None = None
+
+    def add(self, step: Step) -> Step:
+        self.pieces.append(step.text)
+        if step.finish_reason != "stop":   # an end-of-generation token is not output
+            self.tokens.append(step.token)
+        self.stats = step.stats or self.stats
+        return step
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def result(self) -> Result:
+        return Result(text=self.text, tokens=list(self.tokens), stats=self.stats)

@@ -15,14 +15,18 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+import numpy as np
+from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFValueType,
+                  LlamaFileType)
 
 from ..errors import ModelFileError
 
-_MAGIC = b"GGUF"
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-           10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+# The format's ids and widths are gguf's (the package llama.cpp ships); only the walk over
+# the header is ours: gguf.GGUFReader parses every tensor and token entry into numpy views
+# and takes 9 s on the 1.5B default target where this takes 0.15-0.2 s (2-core x86).
+_MAGIC = struct.pack("<I", GGUF_MAGIC)
+_SCALAR = {vt: np.dtype(t).newbyteorder("<") for vt, t in GGUFReader.gguf_scalar_to_np.items()}
+_STRING, _ARRAY = GGUFValueType.STRING, GGUFValueType.ARRAY
 # Arrays kept as raw bytes for fingerprinting instead of being decoded (~150k entries each).
 _RAW_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                "tokenizer.ggml.scores"}
@@ -68,6 +72,13 @@ class _Reader:
         self.pos += n
         return b
 
+    def scalar(self, dtype: np.dtype):
+        if self.pos + dtype.itemsize > len(self.buf):
+            raise self.truncated()
+        v = np.frombuffer(self.buf, dtype=dtype, count=1, offset=self.pos)[0].item()
+        self.pos += dtype.itemsize
+        return v
+
     def string(self) -> str:
         return self.raw(self.unpack("<Q")).decode("utf-8", errors="replace")
 
@@ -90,7 +101,7 @@ class _Reader:
 
     def value(self, vtype: int, key: str, depth: int = 0):
         if vtype in _SCALAR:
-            return self.unpack(_SCALAR[vtype])
+            return self.scalar(_SCALAR[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -98,7 +109,7 @@ class _Reader:
             if depth >= 2:  # llama.cpp reads no nested arrays; thousands of levels are an attack
                 raise ModelFileError(f"corrupt GGUF file: arrays nested {depth + 1} deep under "
                                      f"{key!r}: {self.path}")
-            elem = struct.calcsize(_SCALAR[etype]) if etype in _SCALAR else 8 if etype in (
+            elem = _SCALAR[etype].itemsize if etype in _SCALAR else 8 if etype in (
                 _STRING, _ARRAY) else 1
             self.bound(count, elem, f"array {key!r}")
             start = self.pos
@@ -107,7 +118,7 @@ class _Reader:
                     for _ in range(count):
                         self.skip_string()
                 elif etype in _SCALAR:
-                    self.raw(count * struct.calcsize(_SCALAR[etype]))
+                    self.raw(count * _SCALAR[etype].itemsize)
                 else:
                     raise ModelFileError(f"bad GGUF array type {etype} for {key}: {self.path}")
                 return _RawArray(count, bytes(self.buf[start:self.pos]))

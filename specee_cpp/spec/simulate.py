@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..engine.cost import CostModel
+from .cost import CostModel
 from .acceptance import rounds_by_run
 from .policies import DraftPolicy
 

@@ -9,7 +9,7 @@
 entropy (a softmax over the vocabulary per drafted token, skipped when no policy reads it).
 
 Ours are cost-aware: they maximise expected tokens per second with the measured per-machine
-cost model (``engine.cost``), so gamma 0 is chosen wherever drafting cannot pay, which on a
+cost model (``spec.cost``), so gamma 0 is chosen wherever drafting cannot pay, which on a
 2-core CPU with a 0.5B draft is everywhere. SpecKV's objective (tokens per step) and the
 fixed/heuristic rules ignore cost; they are here as baselines.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import MAX_GAMMA
-from ..engine.cost import CostModel
+from .cost import CostModel
 from ..errors import SpeceeError
 from .acceptance import AcceptanceModel, round_stats
 
@@ -257,12 +257,17 @@ class CostAwareStop(DraftPolicy):
         return True
 
 
-def make_policy(name: str, *, model: AcceptanceModel | None = None,
+POLICY_NAMES = ("auto", "stop", "pmin", "hf", "speckv")
+NEEDS_MODEL = ("auto", "stop", "speckv")   # fitted acceptance model
+NEEDS_COSTS = ("auto", "stop")             # this machine's cost model
+
+
+def make_policy(name: int | str, *, model: AcceptanceModel | None = None,
                 costs: CostModel | None = None, bpw: float = 0.0) -> DraftPolicy:
-    """A policy by name: an integer (fixed gamma), pmin, hf, speckv, auto (ours: cost-aware
-    gamma) or stop (ours: cost-aware per-token stop rule)."""
-    if name.isdigit():
-        return FixedGamma(int(name))
+    """A policy: an integer (fixed gamma) or a name: pmin, hf, speckv, auto (ours:
+    cost-aware gamma) or stop (ours: cost-aware per-token stop rule)."""
+    if isinstance(name, int):
+        return FixedGamma(name)
     if name == "pmin":
         return PMinRule()
     if name == "hf":

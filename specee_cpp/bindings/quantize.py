@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gguf import LlamaFileType
+
 from ..config import default_threads
 from ..errors import SpeceeError
-from .gguf_info import read_gguf_info
+from ..models.gguf_info import read_gguf_info
 
-# name -> (llama_ftype, approximate bits per weight)
-TYPES = {"F16": (1, 16.0), "Q8_0": (7, 8.5), "Q6_K": (18, 6.6), "Q5_K_M": (17, 5.7),
-         "Q4_K_M": (15, 4.9), "Q4_0": (2, 4.5), "IQ4_NL": (25, 4.5), "Q3_K_M": (12, 3.9),
-         "Q2_K": (10, 2.6)}
+# name -> (llama_ftype from gguf's enum, approximate bits per weight of the whole file)
+_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.6, "Q5_K_M": 5.7, "Q4_K_M": 4.9, "Q4_0": 4.5,
+         "IQ4_NL": 4.5, "Q3_K_M": 3.9, "Q2_K": 2.6}
+TYPES = {name: (int(LlamaFileType[f"MOSTLY_{name}"]), bits) for name, bits in _BITS.items()}
 _BITS_OF_FILE_TYPE = {"ALL_F32": 32.0, "MOSTLY_F16": 16.0, "MOSTLY_BF16": 16.0}
 
 
@@ -40,7 +42,7 @@ def quantize(src: Path, qtype: str, out_dir: Path, n_threads: int = 0) -> tuple[
 
     The file appears under its final name only once complete and readable.
     """
-    from ..bindings import quantize_file
+    from .llama import quantize_file
 
     info = read_gguf_info(src)
     ftype, bits = TYPES[qtype]

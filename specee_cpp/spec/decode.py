@@ -1,5 +1,5 @@
 """Draft-then-verify speculative decoding, the draft length chosen each round by a policy
-(``controller.policies``: fixed gamma, baselines, ours). The loop is the algorithm, four
+(``spec.policies``: fixed gamma, baselines, ours). The loop is the algorithm, four
 steps a round (plan, draft, verify, learn); `Phases` keeps the clock out of it.
 
 Each round the draft proposes up to gamma tokens after the last emitted one, the target scores
@@ -17,10 +17,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..config import SamplingConfig
-from .sampling import probs
-from .sequence import Sequence
-from .steps import Step
-from ..controller.policies import DraftPolicy, FixedGamma
+from ..engine.sampling import probs
+from ..engine.sequence import Sequence
+from ..engine.steps import Step
+from .policies import DraftPolicy, FixedGamma
 
 
 def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
@@ -161,7 +161,7 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
                    "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,
                    "t_draft": ph.seconds["draft"], "t_verify": ph.seconds["verify"]})
         for tok in draft[:n_acc]:
-            yield Step(token=tok, source="draft")
+            yield Step(token=tok)
         # a plain step may follow a draft whose first token was dropped (g_max > 0)
         timings = {k: ph.seconds.get(k, 0.0) for k in
                    ("draft", "verify" if draft else "decode", "control")}

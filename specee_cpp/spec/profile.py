@@ -13,31 +13,29 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from .llm import LLM
-from .speculative import generate_spec
+from ..engine.llm import LLM
+from .decode import generate_spec
 
 
 def profile(llm: LLM, prompts: list[tuple[str, str]], gammas: list[int], max_tokens: int,
             out: Path, progress: Callable[[int, int], None] | None = None) -> int:
     """Run every (prompt, gamma); prompts are (category, text). Returns records written."""
     from ..config import SamplingConfig
-    from .steps import stream
+    from ..engine.steps import stream
 
     from ..errors import SpeceeError
     from ..provenance import describe, machine
+    from ..records import records
 
     out = Path(out)
     done = set()
     where = machine(llm.config.threads)
-    if out.exists():
-        for line in out.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if rec.get("machine") != where:  # its timings would mix with ours
-                    raise SpeceeError(f"{out} holds records measured on another machine or "
-                                      f"build ({describe(rec.get('machine'))}); this one is "
-                                      f"{describe(where)}: use another output file")
-                done.add((rec["prompt_id"], rec["gamma"]))
+    for rec in records(out, what="profile file", missing_ok=True, torn_tail=True):
+        if rec.get("machine") != where:  # its timings would mix with ours
+            raise SpeceeError(f"{out} holds records measured on another machine or "
+                              f"build ({describe(rec.get('machine'))}); this one is "
+                              f"{describe(where)}: use another output file")
+        done.add((rec["prompt_id"], rec["gamma"]))
     quant, bpw = llm.model.info.quant, round(llm.model.bits_per_weight, 4)
     n_written, total, step = 0, len(prompts) * len(gammas), 0
     with open(out, "a", encoding="utf-8") as fh:

@@ -1,0 +1,108 @@
+"""Mode ``ee``: SpecEE early exit. Its options, and what it derives once per loaded target
+(kept with ``LLM.cached``): the exit predictor bundle, checked against the target."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import N_CAND
+from ..engine.modes import Mode, register
+from ..errors import SpeceeError
+from ..paths import BUNDLE_DIR
+
+
+@dataclass(frozen=True)
+class EEOptions:
+    """Early exit (SpecEE) settings; ``None`` fields come from the predictor bundle."""
+
+    provider: str = "draft"           # draft | ngram
+    predictors: Path | None = None    # bundle path; None: the one shipped for the target
+    threshold: float | None = None
+    rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
+    k: int = N_CAND
+
+    def __post_init__(self) -> None:
+        if self.provider not in ("draft", "ngram"):
+            raise SpeceeError(f"unknown candidate provider {self.provider!r}; use draft or ngram")
+        if self.rule not in ("argmax", "candidate"):
+            raise SpeceeError(f"unknown exit rule {self.rule!r}; use argmax or candidate")
+        if self.k < 1:
+            raise SpeceeError(f"k must be positive, got {self.k}")
+        # a probability threshold: 1.0 never fires (the rule is prob > threshold); NaN fails too
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise SpeceeError(f"threshold must be in [0, 1] (1 never exits), got {self.threshold}")
+        if self.predictors is not None:
+            object.__setattr__(self, "predictors", Path(self.predictors))
+
+
+def bundle_path(llm, provider: str) -> Path:
+    """Where the shipped (or default calibrated) exit predictors for this target live."""
+    return BUNDLE_DIR / f"{llm.model.sha256[:16]}.{provider}.npz"
+
+
+def candidates(llm, provider: str, k: int = N_CAND):
+    """A fresh candidate provider: ``draft`` (needs a draft model) or ``ngram``."""
+    from .candidates import DraftCandidates, NgramCandidates
+
+    if provider == "draft":
+        if llm.dft is None:
+            raise SpeceeError("the draft provider needs a draft model (--draft)")
+        return DraftCandidates(llm.dft.seq, k=k)
+    if provider == "ngram":
+        return NgramCandidates(k=k)
+    raise SpeceeError(f"unknown candidate provider {provider!r}; use draft or ngram")
+
+
+def predictors(llm, opts: EEOptions):
+    """The exit predictors for this target and provider (checked against the target)."""
+    from .predictor import Predictors
+
+    path = opts.predictors or bundle_path(llm, opts.provider)
+
+    def make():
+        if opts.predictors is None and not path.is_file():
+            raise SpeceeError(
+                f"no shipped exit predictors for {llm.model.path.name} with the "
+                f"{opts.provider} provider; run specee-cpp calibrate and pass --predictors")
+        pred = Predictors.load(path)
+        pred.check_target(llm.model.sha256, llm.model.n_layer, llm.model.path)
+        return pred
+
+    pred = llm.cached(("ee", "predictors", path), make)
+    if pred.k != opts.k:
+        raise SpeceeError(f"predictor bundle {path.name} uses k={pred.k}, not k={opts.k}")
+    if pred.meta.get("provider") != opts.provider:
+        raise SpeceeError(f"predictor bundle was fitted with the {pred.meta.get('provider')} "
+                          f"provider, not {opts.provider}")
+    return pred
+
+
+class EarlyExit(Mode):
+    name = "ee"
+    Options = EEOptions
+    lossless = False
+    help = "SpecEE early exit (greedy; lossy: see its agreement in bench)"
+
+    def start(self, llm, sampling, opts):
+        from .decode import generate_ee
+        from .scheduler import Scheduler
+
+        if not sampling.greedy:
+            raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
+                              f"got temperature {sampling.temperature}")
+        provider = candidates(llm, opts.provider, opts.k)
+        pred = predictors(llm, opts)
+        rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
+        sched = Scheduler(n_layer=llm.model.n_layer, offline=pred.meta.get("offline", pred.layers),
+                          allowed=set(pred.layers), exit_rate=rates,
+                          layer_cost=pred.meta.get("layer_cost_s", 0.0),
+                          probe_cost=pred.meta.get("probe_cost_s", 0.0))
+        threshold = pred.threshold if opts.threshold is None else opts.threshold
+        return lambda tokens: generate_ee(llm.tgt.seq, tokens, provider, pred, sched, threshold,
+                                          rule=opts.rule)
+
+    def describe(self, opts) -> str:
+        return f"specee-cpp --mode ee {opts.provider} {opts.rule}"
+
+
+register(EarlyExit())

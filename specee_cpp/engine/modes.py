@@ -1,0 +1,86 @@
+"""Decoding modes, registered by name: the one place the CLI, the Python API and the
+benchmark look a mode up.
+
+A mode is one small object: its typed options (a frozen dataclass whose defaults are the
+mode's defaults), whether it needs a draft model and keeps plain's greedy output, and
+``start``, which checks everything that can fail (missing draft, missing bundle, bad
+option) and returns the step generator to run on the prompt's tokens. Whatever a mode
+derives from the loaded models once (a predictor bundle, a cost model) it keeps with
+``LLM.cached``, so the LLM itself knows nothing about any mode.
+
+A new mode is one module: a ``Mode`` subclass and ``register(MyMode())`` at its end
+(the built-in ones are imported by ``specee_cpp/__init__.py``; see docs/ARCHITECTURE.md).
+This module imports nothing heavy: registering a mode must not load libllama.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
+
+from ..errors import SpeceeError
+
+if TYPE_CHECKING:
+    from ..config import SamplingConfig
+    from .llm import LLM
+    from .steps import Step
+
+Start = Callable[[list[int]], Iterator["Step"]]   # prompt tokens -> steps
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Options of a mode that has none."""
+
+
+class Mode:
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    needs_draft: ClassVar[bool] = False
+    lossless: ClassVar[bool] = True      # greedy output equals plain decoding's
+    help: ClassVar[str] = ""
+
+    def options(self, **given: Any):
+        """Typed options from keyword values; a name this mode does not take is an error
+        (a silently ignored option misleads)."""
+        known = [f.name for f in fields(self.Options)]
+        for key in given:
+            if key not in known:
+                raise SpeceeError(f"option {key!r} does not apply to mode {self.name} "
+                                  f"(its options: {', '.join(known) or 'none'})")
+        return self.Options(**given)
+
+    def start(self, llm: LLM, sampling: SamplingConfig, opts) -> Start:
+        raise NotImplementedError
+
+    def describe(self, opts) -> str:
+        """How a benchmark table names this mode with these options."""
+        changed = [f"{f.name} {getattr(opts, f.name)}" for f in fields(opts)
+                   if getattr(opts, f.name) != f.default]
+        return " ".join([f"specee-cpp --mode {self.name}", *changed])
+
+
+_MODES: dict[str, Mode] = {}
+
+
+def register(mode: Mode) -> Mode:
+    if mode.name in _MODES and type(_MODES[mode.name]) is not type(mode):
+        raise SpeceeError(f"mode {mode.name!r} is already registered by "
+                          f"{type(_MODES[mode.name]).__module__}")
+    _MODES[mode.name] = mode
+    return mode
+
+
+def unregister(name: str) -> None:
+    """Remove a mode (a plug-in that is unloaded, a test's mode)."""
+    _MODES.pop(name, None)
+
+
+def get(name: str) -> Mode:
+    try:
+        return _MODES[name]
+    except KeyError:
+        raise SpeceeError(f"unknown mode {name!r}; modes: {', '.join(_MODES)}") from None
+
+
+def names() -> list[str]:
+    return list(_MODES)

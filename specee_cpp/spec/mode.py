@@ -1,0 +1,132 @@
+"""Mode ``spec``: draft then verify, the draft length chosen each round by a policy.
+
+Its options, and what it derives once per loaded pair (kept with ``LLM.cached``): the
+machine's cost model (measured on first use, cached on disk per machine) and the fitted
+acceptance model (the controller shipped for the draft, or one given as an option).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..engine.modes import Mode, register
+from ..engine.plain import PLAIN
+from ..errors import SpeceeError
+from ..paths import BUNDLE_DIR
+from .policies import NEEDS_COSTS, NEEDS_MODEL, POLICY_NAMES
+
+Gamma = int | Literal["auto", "stop", "pmin", "hf", "speckv"]
+
+
+def parse_gamma(text: str) -> Gamma:
+    """A command line's --gamma: a number of tokens or a policy name."""
+    text = text.strip().lower()
+    return int(text) if text.isdigit() else text
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    gamma: Gamma = "auto"             # tokens drafted per round, or a policy name
+    controller: Path | None = None    # fitted acceptance model; None: the one shipped
+
+    def __post_init__(self) -> None:
+        g = self.gamma
+        ok = (isinstance(g, int) and not isinstance(g, bool) and g >= 0) or g in POLICY_NAMES
+        if not ok:
+            raise SpeceeError(f"gamma must be a number of tokens >= 0 or one of "
+                              f"{', '.join(POLICY_NAMES)}, got {g!r}")
+        if self.controller is not None:
+            object.__setattr__(self, "controller", Path(self.controller))
+
+
+def controller_path(draft_sha256: str) -> Path:
+    """The shipped acceptance model of a draft (it serves any quantization of its target)."""
+    return BUNDLE_DIR / f"controller-{draft_sha256[:16]}.npz"
+
+
+def cost_model(llm):
+    """This machine's speculative cost model for the loaded pair (measured on first use in
+    ~10 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
+    if llm.dft is None:
+        raise SpeceeError("a cost model needs a draft model (--draft)")
+
+    def make():
+        from dataclasses import replace
+
+        from ..provenance import machine, machine_id
+        from .cost import MEASURE_VERSION, load_or_measure, measure
+
+        # the machine (CPU features, build, threads, AMX switch) is part of the key: a
+        # cache copied to another machine, or a rebuilt library, measures again
+        where = machine(llm.config.threads)
+        key = (f"{llm.model.sha256[:12]}-{llm.dft.model.sha256[:12]}"
+               f"-m{machine_id(where)}-v{MEASURE_VERSION}")
+        prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
+        return load_or_measure(
+            key, lambda: replace(measure(llm.tgt.seq, llm.dft.seq, prompt), machine=where))
+
+    return llm.cached(("spec", "costs"), make)
+
+
+def use_cost_model(llm, costs) -> None:
+    """Decide with these costs for this pair instead of measuring (say, a GPU's shape from
+    ``simulate.gpu_like``, to see what the controller would do there)."""
+    llm.remember(("spec", "costs"), costs)
+
+
+def acceptance_model(llm, path: Path | None = None):
+    """The fitted acceptance model (``path``, else the one shipped for the draft), refused
+    for a target of another shape than it was fitted on."""
+    from .acceptance import AcceptanceModel
+
+    shipped = controller_path(llm.dft.model.sha256)
+    path = path or shipped
+
+    def make():
+        if path == shipped and not path.is_file():
+            raise SpeceeError(f"no shipped draft-length controller for draft "
+                              f"{llm.dft.model.path.name}; pass a fixed --gamma N or fit "
+                              f"one with specee-cpp fit-controller")
+        model = AcceptanceModel.load(path)
+        shape = [llm.model.info.arch, llm.model.n_layer, llm.model.n_embd]
+        if model.meta.get("target_shape", shape) != shape:
+            raise SpeceeError(f"controller {path.name} was fitted for a target of shape "
+                              f"{model.meta['target_shape']}, not {shape}")
+        return model
+
+    return llm.cached(("spec", "controller", path), make)
+
+
+def draft_policy(llm, opts: SpecOptions):
+    """A fresh draft-length policy for one generation (policies keep per-run state)."""
+    from .policies import make_policy
+
+    g = opts.gamma
+    if isinstance(g, int) and g >= llm.config.n_batch:
+        raise SpeceeError(f"gamma must be in [0, {llm.config.n_batch}), got {g}")
+    return make_policy(g, model=acceptance_model(llm, opts.controller) if g in NEEDS_MODEL
+                       else None,
+                       costs=cost_model(llm) if g in NEEDS_COSTS else None,
+                       bpw=llm.model.bits_per_weight)
+
+
+class Spec(Mode):
+    name = "spec"
+    Options = SpecOptions
+    needs_draft = True
+    help = "draft then verify (lossless); --gamma picks the draft length"
+
+    def start(self, llm, sampling, opts):
+        from .decode import generate_spec
+
+        policy = draft_policy(llm, opts)
+        if policy.plan_is_plain:   # never drafts: plain decoding, without the draft's prefill
+            return PLAIN.start(llm, sampling, PLAIN.Options())
+        return lambda tokens: generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling)
+
+    def describe(self, opts) -> str:
+        return f"specee-cpp --mode spec gamma {opts.gamma}"
+
+
+register(Spec())
