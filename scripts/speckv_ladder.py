@@ -116,7 +116,8 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
     for (t, f), prof in zip(files.items(), profiles):
         recs = records(prof, what="profile file")
         with LLM(f, draft=ns.draft, config=LoadConfig(n_ctx=2048)) as llm:
-            per_level[t] = (recs, cost_model(llm), llm.model.bits_per_weight)
+            # the profiles' rounds run at short contexts: the table's first point
+            per_level[t] = (recs, cost_model(llm).points[0], llm.model.bits_per_weight)
     all_recs = [r for recs, _, _ in per_level.values() for r in recs]
     prompt_ids = sorted({r["prompt_id"] for r in all_recs})
     folds = [prompt_ids[i::4] for i in range(4)]

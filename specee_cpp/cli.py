@@ -59,12 +59,14 @@ _MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "provider": "--
                "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule"}
 
 
-def _mode_options(mode: str, **given):
-    """The registered mode and its typed options from the flags given; a flag that belongs
-    to another mode is refused (a silent no-op misleads)."""
+def _mode_options(mode: str | None, draft: str | None, **given):
+    """The registered mode (default: spec with a draft, else plain) and its typed options
+    from the flags given; a flag that belongs to another mode is refused (a silent no-op
+    misleads)."""
     from .engine import modes
     from .spec.mode import parse_gamma
 
+    mode = mode or ("spec" if draft else "plain")
     m = modes.get(mode)
     given = {k: v for k, v in given.items() if v is not None}
     for key, value in given.items():
@@ -91,8 +93,10 @@ OptSeed = typer.Option(0, "--seed", help="Random seed for sampling.")
 OptCtx = typer.Option(N_CTX, "--n-ctx", help="Context window in tokens.")
 OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
-OptMode = typer.Option("plain", "--mode",
-                       help="Decoding mode: plain, spec (draft then verify) or ee (early exit).")
+OptMode = typer.Option(None, "--mode",
+                       help="Decoding mode: plain, spec (draft then verify) or ee (early exit); "
+                            "default: spec with the cost-aware --gamma auto when a draft is "
+                            "given (plain decoding wherever drafting cannot pay), else plain.")
 OptGamma = typer.Option(None, "--gamma",
                         help="spec: auto (default; cost-aware controller, drafts only where it "
                              "pays), a fixed number of tokens per round, or stop, pmin, hf, speckv.")
@@ -108,13 +112,15 @@ OptRule = typer.Option(None, "--exit-rule",
 def _stats_line(stats) -> str:
     parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s",
              f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s"]
-    if stats.acceptance is not None:
-        parts.append(f"acceptance {stats.acceptance:.0%}")
+    if stats.n_drafted:
+        parts.append(f"drafted {stats.n_drafted}, accepted {stats.n_accept} "
+                     f"({stats.acceptance:.0%})")
     n_exit = sum(stats.exit_layers.values())
     if n_exit:
         mean = sum(k * v for k, v in stats.exit_layers.items()) / n_exit
         parts.append(f"exits {n_exit / max(stats.n_gen, 1):.0%} at mean layer {mean:.1f}")
-    return ", ".join(parts)
+    line = ", ".join(parts)
+    return f"{line}; {stats.note}" if stats.note else line
 
 
 # ---- generate / chat ------------------------------------------------------------------------
@@ -130,7 +136,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
+    mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
 ) -> None:
@@ -140,7 +146,7 @@ def generate(
     from .engine.steps import Transcript
 
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, gamma=gamma, controller=controller, provider=provider,
+    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         done = Transcript()
@@ -150,7 +156,7 @@ def generate(
             if not as_json:
                 out.print(step.text, end="", markup=False, soft_wrap=True)
         if as_json:
-            print(json.dumps({"model": str(llm.model.path), "mode": mode, "text": done.text,
+            print(json.dumps({"model": str(llm.model.path), "mode": m.name, "text": done.text,
                               "tokens": done.tokens, "stats": done.stats.as_dict()}))
         else:
             out.print()
@@ -167,7 +173,7 @@ def chat(
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: str = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
+    mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
 ) -> None:
@@ -179,14 +185,14 @@ def chat(
         target, dft = load_registry().pair("default")
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, gamma=gamma, controller=controller, provider=provider,
+    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
     with llm:
         err.print(f"[bold]{llm.model.path.name}[/bold]"
-                  + (f" + draft {llm.dft.model.path.name}" if llm.dft else "")
-                  + f", mode {mode}. Type /exit to quit, Ctrl-C stops a reply.")
+                  + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
+                  + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply.")
         history: list[dict] = [{"role": "system", "content": system}] if system else []
         while True:
             try:
@@ -378,17 +384,26 @@ def fit_controller(
 
 @app.command()
 def costs(
-    model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
-    draft: str = typer.Option(..., "--draft", "-d", help="Draft model."),
+    model: Optional[str] = typer.Argument(
+        None, help="Target: registry name or .gguf path (default: the default pair)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d",
+                                        help="Draft model (default: the default pair's)."),
     threads: int = OptThreads,
     gpu_like: bool = typer.Option(False, "--gpu-like",
                                   help="Also show a GPU-like machine (flat verify, draft 0.1)."),
 ) -> None:
-    """Measure (once, then cached) the speculative cost model of a pair and show which draft
-    length it would choose at each acceptance rate."""
+    """Measure (once, then cached) the speculative cost table of a pair, at a short and a
+    long context, and show which draft length it would choose at each acceptance rate
+    (the policies read it at the current context length, interpolated)."""
     from .engine.llm import LLM
     from .spec.mode import cost_model
     from .spec.simulate import gpu_like as gpu_shape
+
+    if model is None:
+        target, dft = load_registry().pair("default")
+        model, draft = target.name, draft or dft.name
+    if draft is None:
+        raise SpeceeError("costs compares a draft with its target: pass --draft")
 
     with LLM(model, draft=draft, config=_load_config(N_CTX_COSTS, threads, 0)) as llm:
         with err.status("measuring target batches 1..16 and draft tokens (once, then cached)"):
@@ -397,13 +412,14 @@ def costs(
     from .provenance import describe
 
     err.print(f"measured on: {describe(cm.machine)}")
-    machines = [("this machine", cm)]
+    machines = [(f"this machine, {p.context}-token context", p) for p in cm.points]
     if gpu_like:
-        machines.append(("GPU-like", gpu_shape(cm, bpw)))
+        machines.append(("GPU-like", gpu_shape(cm.points[0], bpw)))
     for name, m in machines:
         v1 = m.plain
-        err.print(f"[bold]{name}[/bold]: draft token {m.draft_token_s / v1:.2f} of a target "
-                  f"token; verify n=2,4,8,16: " + ", ".join(f"{m.verify(n) / v1:.2f}" for n in (2, 4, 8, 16)))
+        err.print(f"[bold]{name}[/bold]: plain token {1e3 * v1:.1f} ms; draft token "
+                  f"{m.draft_token_s / v1:.2f} of a target token; verify n=2,4,8,16: "
+                  + ", ".join(f"{m.verify(n) / v1:.2f}" for n in (2, 4, 8, 16)))
         table = Table(title=f"{name}: best draft length by acceptance")
         for col in ("acceptance", "best gamma", "expected speed vs plain"):
             table.add_column(col)

@@ -24,6 +24,17 @@ def test_unknown_architecture_is_one_clear_error(tiny_unknown_arch):
         Model(tiny_unknown_arch)
 
 
+def test_argmax_in_c_equals_numpy_on_the_logits(tiny_llama):
+    model, ctx = _ctx(tiny_llama)
+    seq = Sequence(ctx)
+    seq.decode(model.tokenize("the cat sat on", add_special=True), all_outputs=True)
+    for i in range(4):
+        assert ctx.argmax(i) == int(np.argmax(ctx.logits(i)))
+    assert ctx.argmax(-1) == int(np.argmax(ctx.logits(-1)))
+    with pytest.raises(SpeceeError, match="no logits for output 99"):
+        ctx.argmax(99)
+
+
 def test_the_library_says_which_architectures_it_loads():
     """Asked before loading (patch 0005), not read from llama.cpp's log: a name llama.cpp
     knows but has no model class for (gptj, in this pinned version) is refused like an

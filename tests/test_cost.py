@@ -34,19 +34,43 @@ def test_measure_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
     d = write_tiny_model(tmp_path / "d.gguf", seed=2)
-    with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
         prompt = llm.model.tokenize("the cat sat")
         calls = []
 
         def run():
             calls.append(1)
-            return cost.measure(llm.tgt.seq, llm.dft.seq, prompt, repeats=1)
+            return cost.measure_table(llm.tgt.seq, llm.dft.seq, prompt, contexts=(64, 400),
+                                      repeats=1)
 
-        m = cost.load_or_measure("pair", run)
+        table = cost.load_or_measure("pair", run)
+        # 400 does not fit in 256 cells with a 16-token verify: measured at the most that does
+        assert [p.context for p in table.points] == [64, 256 - cost.N_MAX - 1]
+        m = table.points[0]
         assert len(m.target_batch_s) == cost.N_MAX and m.draft_token_s > 0
         assert llm.tgt.seq.tokens == prompt and llm.dft.seq.tokens == prompt  # left as found
         again = cost.load_or_measure("pair", run)
-        assert calls == [1] and again == m and again.key == "pair"
+        assert calls == [1] and again == table and again.key == "pair"
+
+
+def test_costs_are_read_at_the_context_length():
+    """Between measured contexts the costs are interpolated, outside them the nearest is
+    used, and a cost-aware policy re-reads them as the cache grows (seen failing with
+    at_context a no-op: the policy kept drafting where a long context made it a loss)."""
+    from specee_cpp.spec import policies
+    from specee_cpp.spec.acceptance import AcceptanceModel  # noqa: F401
+
+    short = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1, context=128)
+    long = CostModel([4.0 + 2.0 * i for i in range(16)], 3.0, context=1024)
+    table = cost.CostTable([short, long])
+    assert table.at(0) == short and table.at(4096) == long
+    mid = table.at(576)
+    assert mid.plain == pytest.approx(2.5) and mid.draft_token_s == pytest.approx(1.55)
+    assert mid.verify(2) == pytest.approx((1.02 + 6.0) / 2)
+    stop = policies.CostAwareStop(model=None, costs=table, bpw=4.85)
+    assert not stop.plan_is_plain and stop.can_pay            # cheap drafting at 128 tokens
+    stop.at_context(1000)
+    assert not stop.can_pay and stop.plan() == 0              # nothing pays near 1024
 
 
 def test_cost_model_records_its_machine(tmp_path, monkeypatch):

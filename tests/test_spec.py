@@ -93,3 +93,17 @@ def test_phases_nest_exclusively():
     with ph("verify"):         # 10.0 .. 10.25
         pass
     assert ph.seconds == {"draft": 2.5, "control": 0.5, "verify": 0.25}
+
+
+def test_a_run_that_will_not_draft_does_not_load_the_draft(small_model, random_draft):
+    """The draft loads on first use; the cost-aware default that decides not to draft (here:
+    no controller fitted for this draft) runs plain decoding and leaves it out of memory."""
+    with LLM(small_model, draft=random_draft, config=LoadConfig(n_ctx=512, n_threads=2)) as llm:
+        assert not llm.draft_loaded
+        r = llm.generate("hi", max_tokens=4, mode="spec")
+        assert not llm.draft_loaded and "no draft-length controller" in r.stats.note
+        assert r.tokens == llm.generate("hi", max_tokens=4).tokens
+        r = llm.generate("hi", max_tokens=4, mode="spec", gamma=2)
+        assert llm.draft_loaded and r.stats.n_drafted > 0
+        llm.release_draft()
+        assert not llm.draft_loaded

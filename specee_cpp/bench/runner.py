@@ -43,9 +43,11 @@ def agreement(llm: LLM, prompt: list[int], out: list[int]) -> float | None:
     if not out:
         return None
     seq = llm.tgt.seq
-    preds = [int(np.argmax(seq.prefill(prompt)))]
+    seq.prefill(prompt, read=False)
+    preds = [seq.argmax()]
     if len(out) > 1:
-        preds += [int(np.argmax(row)) for row in seq.feed(out[:-1], all_logits=True)]
+        seq.decode(out[:-1], all_outputs=True)
+        preds += [seq.argmax(j) for j in range(len(out) - 1)]
     return float(np.mean([p == t for p, t in zip(preds, out)]))
 
 
@@ -60,7 +62,7 @@ class Runner:
         self._pld: PromptLookupPeer | None = None
         self.pld_ctx = 512  # raised by run() to fit its longest prompt
         for c in configs:
-            if c.needs_draft and llm.dft is None:
+            if c.needs_draft and llm.draft_path is None:
                 raise SpeceeError(f"configuration {c.name} needs a draft model (--draft)")
             if c.kind == "llama.cpp" and peers is None:
                 raise SpeceeError(f"configuration {c.name} needs the llama.cpp tools")

@@ -136,7 +136,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
             if any(c.static_cache for c in configs):
                 cache = static_cache(m.path, m.info.tokenizer_fingerprint,
                                      opts.static_corpus_mb, tools)
-            peers = LlamaCppPeers(m.path, llm.dft.model.path if llm.dft else None, cfg,
+            peers = LlamaCppPeers(m.path, llm.draft_path, cfg,
                                   eog_texts=eog, tools=tools, static_cache=cache)
         runner = Runner(llm, configs, opts.max_tokens, peers)
         try:

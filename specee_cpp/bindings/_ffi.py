@@ -41,6 +41,10 @@ llama_specee_patch_version = _bind("llama_specee_patch_version", [], ctypes.c_in
 llama_specee_arch_supported = _bind("llama_specee_arch_supported", [ctypes.c_char_p],
                                     ctypes.c_bool)
 
+# int32_t llama_specee_argmax(struct llama_context * ctx, int32_t i);
+llama_specee_argmax = _bind("llama_specee_argmax", [ll.llama_context_p_ctypes, ctypes.c_int32],
+                            ctypes.c_int32)
+
 # int32_t llama_specee_set_layer_inp(struct llama_context * ctx, int32_t il, bool enable);
 llama_specee_set_layer_inp = _bind(
     "llama_specee_set_layer_inp", [ll.llama_context_p_ctypes, ctypes.c_int32, ctypes.c_bool],

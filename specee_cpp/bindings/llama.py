@@ -239,6 +239,14 @@ class Context:
             raise DecodeError(f"no logits for output {i}: {_last_error()}")
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
 
+    def argmax(self, i: int = -1) -> int:
+        """The greedy token of output ``i`` of the last decode, chosen in C (no copy of the
+        n_vocab logits; the first id on ties, as numpy's argmax)."""
+        tok = _ffi.llama_specee_argmax(self.ptr, i)
+        if tok < 0:
+            raise DecodeError(f"no logits for output {i}: {_last_error()}")
+        return tok
+
     def seq_rm(self, p0: int, p1: int = -1) -> None:
         """Remove positions [p0, p1) of sequence 0 from the KV cache (p1 -1: to the end)."""
         if not ll.llama_memory_seq_rm(self.mem, 0, p0, p1):

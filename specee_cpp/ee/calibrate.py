@@ -51,7 +51,7 @@ def collect_one(llm: LLM, provider: CandidateProvider, prompt: list[int], layers
     """Probes and argmax at ``layers`` along the greedy continuation of ``prompt``."""
     seq = llm.tgt.seq
     gen = []
-    for step in generate_plain(seq, prompt, lambda lg: int(np.argmax(lg))):
+    for step in generate_plain(seq, prompt, lambda s: s.argmax()):
         if llm.model.is_eog(step.token) or len(gen) == n_tokens:
             break
         gen.append(step.token)

@@ -45,7 +45,7 @@ def candidates(llm, provider: str, k: int = N_CAND):
     from .candidates import DraftCandidates, NgramCandidates
 
     if provider == "draft":
-        if llm.dft is None:
+        if llm.draft_path is None:
             raise SpeceeError("the draft provider needs a draft model (--draft)")
         return DraftCandidates(llm.dft.seq, k=k)
     if provider == "ngram":

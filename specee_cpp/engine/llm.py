@@ -58,7 +58,8 @@ class LLM:
         if draft_path is not None:
             check_same_tokenizer(target_path, draft_path)
         self.tgt = _Loaded(target_path, config)
-        self.dft = _Loaded(draft_path, config) if draft_path is not None else None
+        self.draft_path = draft_path
+        self._dft: _Loaded | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()
 
@@ -66,8 +67,26 @@ class LLM:
     def model(self) -> Model:
         return self.tgt.model
 
+    @property
+    def dft(self) -> _Loaded | None:
+        """The draft with its context, loaded on first use (None without a draft): a mode
+        that decides not to draft never pays for its weights."""
+        if self._dft is None and self.draft_path is not None:
+            self._dft = _Loaded(self.draft_path, self.config)
+        return self._dft
+
+    @property
+    def draft_loaded(self) -> bool:
+        return self._dft is not None
+
+    def release_draft(self) -> None:
+        """Free the draft's weights and KV cache (it loads again if a mode needs it)."""
+        if self._dft is not None:
+            self._dft.close()
+            self._dft = None
+
     def close(self) -> None:
-        for loaded in (self.tgt, self.dft):
+        for loaded in (self.tgt, self._dft):
             if loaded is not None:
                 loaded.close()
 
@@ -79,7 +98,7 @@ class LLM:
 
     def reset(self) -> None:
         """Forget the cached conversation: the next prompt is decoded from scratch."""
-        for loaded in (self.tgt, self.dft):
+        for loaded in (self.tgt, self._dft):
             if loaded is not None:
                 loaded.seq.rewind(0)
 
@@ -128,7 +147,7 @@ class LLM:
                               f"got {type(opts).__name__}")
         if max_tokens < 1:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
-        if m.needs_draft and self.dft is None:
+        if m.needs_draft and self.draft_path is None:
             raise SpeceeError(f"mode {m.name} needs a draft model (--draft)")
         start = m.start(self, sampling, opts)   # fails here, before any decoding
         tokens = self.prompt_tokens(prompt, chat=chat)

@@ -5,26 +5,27 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 from .modes import Mode, register
-from .sampling import Sampler, make_sampler
+from .sampling import Picker, make_picker
 from .steps import Step
 
 if TYPE_CHECKING:  # the plain mode registers without loading libllama
     from .sequence import Sequence
 
 
-def generate_plain(seq: Sequence, prompt: list[int], sampler: Sampler) -> Iterator[Step]:
+def generate_plain(seq: Sequence, prompt: list[int], pick: Picker) -> Iterator[Step]:
     """Yield tokens forever (the stream wrapper stops it). Each step's timings are the time
-    spent producing that token: the prefill for the first, one decode for the others."""
+    spent producing that token: the prefill for the first, one decode for the others.
+    ``pick`` (sampling.make_picker) reads the next token: greedy needs no logits copy."""
     t0 = time.perf_counter()
-    logits = seq.prefill(prompt)
+    seq.prefill(prompt, read=False)
     timings = {"prefill": time.perf_counter() - t0}
     while True:
-        token = sampler(logits)
+        token = pick(seq)
         yield Step(token=token, timings=timings)
         # The token is decoded only when the next one is asked for, so a stopped
         # generation never pays for a decode it does not use.
         t0 = time.perf_counter()
-        logits = seq.feed([token])
+        seq.decode([token])
         timings = {"decode": time.perf_counter() - t0}
 
 
@@ -35,8 +36,8 @@ class Plain(Mode):
     help = "one target decode per token"
 
     def start(self, llm, sampling, opts):
-        sampler = make_sampler(sampling)
-        return lambda tokens: generate_plain(llm.tgt.seq, tokens, sampler)
+        pick = make_picker(sampling)
+        return lambda tokens: generate_plain(llm.tgt.seq, tokens, pick)
 
 
 PLAIN = register(Plain())

@@ -7,7 +7,8 @@ import numpy as np
 
 from ..config import SamplingConfig
 
-Sampler = Callable[[np.ndarray], int]
+Sampler = Callable[[np.ndarray], int]          # logits -> token
+Picker = Callable[..., int]                     # (Sequence, output index=-1) -> token
 
 
 def probs(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
@@ -37,6 +38,15 @@ def probs(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return p
+
+
+def make_picker(cfg: SamplingConfig) -> Picker:
+    """A callable (sequence, output index) -> the next token: greedy takes the argmax in C
+    without copying the n_vocab logits; sampling draws from a copy of them."""
+    if cfg.greedy:
+        return lambda seq, i=-1: seq.argmax(i)
+    sample = make_sampler(cfg)
+    return lambda seq, i=-1: sample(seq.logits(i))
 
 
 def make_sampler(cfg: SamplingConfig) -> Sampler:

@@ -36,22 +36,33 @@ class Sequence:
         self.ctx.seq_rm(n_keep)
         del self.tokens[n_keep:]
 
-    def feed(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Decode ``tokens`` after the cached ones.
-
-        Returns the logits of the last token, or with ``all_logits`` a (len(tokens), n_vocab)
-        array (then ``tokens`` must fit one batch: it is used to verify drafts).
-        """
+    def decode(self, tokens: list[int], all_outputs: bool = False) -> None:
+        """Decode ``tokens`` after the cached ones; outputs for the last token, or with
+        ``all_outputs`` for every one (then ``tokens`` must fit one batch: verification).
+        Read them with :meth:`argmax` (greedy, in C) or :meth:`logits` (a copy)."""
         if not tokens:
-            raise SpeceeError("feed() needs at least one token")
-        if all_logits and len(tokens) > self.ctx.n_batch:
-            raise SpeceeError(f"{len(tokens)} tokens with all logits exceed n_batch "
+            raise SpeceeError("decode() needs at least one token")
+        if all_outputs and len(tokens) > self.ctx.n_batch:
+            raise SpeceeError(f"{len(tokens)} tokens with all outputs exceed n_batch "
                               f"{self.ctx.n_batch}")
         for i in range(0, len(tokens), self.ctx.n_batch):
             chunk = tokens[i:i + self.ctx.n_batch]
-            self._batch.set(chunk, len(self.tokens), output_last_only=not all_logits)
+            self._batch.set(chunk, len(self.tokens), output_last_only=not all_outputs)
             self.ctx.decode(self._batch)
             self.tokens.extend(chunk)
+
+    def argmax(self, i: int = -1) -> int:
+        """Greedy token of output ``i`` of the last decode, without copying its logits."""
+        return self.ctx.argmax(i)
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """A copy of output ``i``'s logits (sampling, confidence, probes)."""
+        return self.ctx.logits(i)
+
+    def feed(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """:meth:`decode`, then the logits of the last token, or with ``all_logits`` a
+        (len(tokens), n_vocab) array."""
+        self.decode(tokens, all_outputs=all_logits)
         if all_logits:
             return np.stack([self.ctx.logits(j) for j in range(len(tokens))])
         return self.ctx.logits(-1)
@@ -70,14 +81,16 @@ class Sequence:
         self.ctx.stage_abort()
         self.rewind(len(self.tokens) - n_tokens)
 
-    def prefill(self, prompt: list[int]) -> np.ndarray:
+    def prefill(self, prompt: list[int], read: bool = True) -> np.ndarray | None:
         """Make the cache hold exactly ``prompt``, reusing the longest cached prefix.
 
-        Returns the logits after the last prompt token.
+        Returns the logits after the last prompt token (None with ``read`` False: take the
+        greedy token with :meth:`argmax`).
         """
         if not prompt:
             raise SpeceeError("empty prompt")
         # Re-decode at least the last token: its logits are needed and are not cached.
         n_keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         self.rewind(n_keep)
-        return self.feed(prompt[n_keep:])
+        self.decode(prompt[n_keep:])
+        return self.logits() if read else None

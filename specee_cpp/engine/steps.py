@@ -32,6 +32,7 @@ class Stats:
     accept_by_pos: list[list[int]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)     # seconds by phase
     finish_reason: str = "length"
+    note: str = ""                # the mode's note (spec: which draft, or why none)
 
     @property
     def decode_tps(self) -> float:
@@ -57,7 +58,7 @@ class Stats:
                                        for d, a in self.accept_by_pos],
             "exit_layers": {str(k): v for k, v in sorted(self.exit_layers.items())},
             "timings": {k: round(v, 6) for k, v in self.timings.items()},
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason, "note": self.note,
         }
 
 
@@ -78,6 +79,7 @@ class Step:
     text: str = ""
     finish_reason: str | None = None  # stop | length | stop_string
     stats: Stats | None = None
+    note: str | None = None           # what the mode chose (e.g. its draft), once per run
 
 
 class Detokenizer:
@@ -116,6 +118,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     totals: Counter[str] = Counter()
     exits: Counter[int] = Counter()
     n_gen = n_steps = n_drafted = n_accept = 0
+    note = ""
     by_pos: list[list[int]] = []
     t_start = time.perf_counter()
 
@@ -125,13 +128,15 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                       decode_s=max(decode_s, 0.0), n_drafted=n_drafted, n_accept=n_accept,
                       n_decode=max(n_steps - 1, 0),
                       accept_by_pos=[list(x) for x in by_pos],
-                      exit_layers=dict(exits), timings=dict(totals), finish_reason=reason)
+                      exit_layers=dict(exits), timings=dict(totals), finish_reason=reason,
+                      note=note)
         return replace(step, text=text, finish_reason=reason, stats=stats)
 
     it = iter(steps)
     try:
         for step in it:
             n_steps += 1
+            note = note or step.note or ""
             totals.update(step.timings)
             n_drafted += step.n_drafted
             n_accept += step.n_accept
@@ -162,6 +167,19 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
         close = getattr(it, "close", None)
         if close:
             close()  # lets the strategy rewind its KV state in its own finally
+
+
+def with_note(steps: Iterable[Step], note: str) -> Iterator[Step]:
+    """``steps`` with ``note`` on the first one (it ends up in Stats.note)."""
+    it = iter(steps)
+    try:
+        first = next(it)
+        yield replace(first, note=note)
+        yield from it
+    finally:
+        close = getattr(it, "close", None)
+        if close:
+            close()
 
 
 @dataclass(frozen=True)

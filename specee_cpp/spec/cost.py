@@ -37,6 +37,7 @@ class CostModel:
     # the last accepted draft token and the target's token, a batch of 2 (0: draft_token_s)
     draft_first_s: float = 0.0
     machine: dict = field(default_factory=dict)  # provenance.machine(): where this was measured
+    context: int = 0              # tokens in the cache when measured (0: unknown)
 
     @property
     def plain(self) -> float:
@@ -74,57 +75,120 @@ class CostModel:
         return max(gammas, key=lambda g: self.expected_tps(accept, g))
 
 
+@dataclass(frozen=True)
+class CostTable:
+    """Cost models measured at several context lengths: a token costs more with a longer
+    cache (attention reads it), so the policies read the costs at the current length."""
+
+    points: list[CostModel]       # by increasing context
+    key: str = ""
+    machine: dict = field(default_factory=dict)
+
+    def at(self, n_context: int) -> CostModel:
+        """Costs at ``n_context`` cached tokens: linear between the measured contexts, the
+        nearest one outside them."""
+        pts = self.points
+        if n_context <= pts[0].context or len(pts) == 1:
+            return pts[0]
+        if n_context >= pts[-1].context:
+            return pts[-1]
+        j = next(i for i, p in enumerate(pts) if p.context >= n_context)
+        a, b = pts[j - 1], pts[j]
+        w = (n_context - a.context) / (b.context - a.context)
+
+        def mix(x: float, y: float) -> float:
+            return x + w * (y - x)
+
+        return CostModel(target_batch_s=[mix(x, y) for x, y in zip(a.target_batch_s,
+                                                                    b.target_batch_s)],
+                         draft_token_s=mix(a.draft_token_s, b.draft_token_s), key=self.key,
+                         plain_token_s=mix(a.plain, b.plain),
+                         draft_first_s=mix(a.draft_first_s, b.draft_first_s),
+                         machine=self.machine, context=n_context)
+
+    def drafting_can_pay(self, g_max: int) -> bool:
+        return any(p.drafting_can_pay(g_max) for p in self.points)
+
+
+def as_table(costs: CostModel | CostTable) -> CostTable:
+    if isinstance(costs, CostTable):
+        return costs
+    return CostTable([costs], key=costs.key, machine=costs.machine)
+
+
 def cache_path(key: str) -> Path:
     return home() / "costs" / f"{key}.json"
 
 
-def load_or_measure(key: str, measure) -> CostModel:
-    """The cached model for ``key`` (model files + threads), measuring it on first use."""
+def load_or_measure(key: str, measure) -> CostTable:
+    """The cached table for ``key`` (model files, machine, method), measured on first use."""
     path = cache_path(key)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # none yet, or torn: measure
         data = None
     names = {f.name for f in fields(CostModel)}
-    if isinstance(data, dict) and set(data) <= names and \
-            {"target_batch_s", "draft_token_s"} <= set(data):
-        return CostModel(**data)
+    if isinstance(data, dict) and isinstance(data.get("points"), list) and data["points"] \
+            and all(isinstance(p, dict) and set(p) <= names
+                    and {"target_batch_s", "draft_token_s"} <= set(p) for p in data["points"]):
+        return CostTable([CostModel(**p) for p in data["points"]], key=data.get("key", key),
+                         machine=data.get("machine", {}))
     # anything else (another layout of the file) is measured again and replaced
-    model = measure()
-    model = replace(model, key=key)
+    table = as_table(measure())
+    table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(asdict(model)))
+    tmp.write_text(json.dumps(asdict(table)))
     tmp.replace(path)
-    return model
+    return table
 
 
-MEASURE_VERSION = 5   # part of the cache key: a changed method measures again
-CONTEXT = 128         # tokens of context the costs are measured at (a short chat turn)
+MEASURE_VERSION = 6   # part of the cache key: a changed method measures again
+# contexts the costs are measured at: a short chat turn and a long one (a 1k-token cache
+# makes a token measurably dearer); past the last, its costs are used
+CONTEXTS = (128, 1024)
 
 
-def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5) -> CostModel:
-    """Time what decoding does, after a context of ``CONTEXT`` tokens (``tokens`` repeated):
+def verify(seq, tokens: list[int]) -> None:
+    """A greedy verification as ``generate_spec`` runs it: one batch, every position's
+    argmax read in C (no logits copied)."""
+    seq.decode(tokens, all_outputs=True)
+    for j in range(len(tokens)):
+        seq.argmax(j)
+
+
+def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
+                  repeats: int = 5) -> CostTable:
+    """:func:`measure` at each context the caches can hold (fewer in a small context)."""
+    room = min(tgt_seq.ctx.n_ctx, dft_seq.ctx.n_ctx) - N_MAX - 1
+    fits = sorted({min(c, room) for c in contexts})
+    return CostTable([measure(tgt_seq, dft_seq, tokens, repeats, n_context=c) for c in fits])
+
+
+def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
+            n_context: int = CONTEXTS[0]) -> CostModel:
+    """Time what decoding does, after ``n_context`` cached tokens (``tokens`` repeated):
     plain steps (single target decodes in a row, before the draft has run at all), and
     speculative rounds: a 2-token draft catch-up decode, more single draft decodes, then a
     target batch of n, for n = 1..N_MAX. Timing them interleaved as rounds run them, not
     each model alone, matters on a small CPU: the two contexts' thread pools take turns on
     the cores (measured alone, the draft looked ~30% cheaper than in real rounds). Medians
     of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
-    n = min(CONTEXT, tgt_seq.ctx.n_ctx - N_MAX - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
+    n = min(n_context, tgt_seq.ctx.n_ctx - N_MAX - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
     context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]
     filler = (tokens * (N_MAX // max(len(tokens), 1) + 1))[:N_MAX]
     clock = time.perf_counter
     tgt_seq.prefill(context)
     base_t = len(tgt_seq.tokens)
     for k in (1, N_MAX):  # warm-up
-        tgt_seq.feed(filler[:k], all_logits=True)
+        verify(tgt_seq, filler[:k])
         tgt_seq.rewind(base_t)
     plain = []
     for _ in range(repeats):
         t0 = clock()
         for t in filler[:4]:
-            tgt_seq.feed([t])
+            tgt_seq.decode([t])   # as greedy plain decoding runs: the argmax read in C
+            tgt_seq.argmax()
         plain.append((clock() - t0) / 4)
         tgt_seq.rewind(base_t)
     dft_seq.prefill(context)
@@ -142,7 +206,7 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5) -> CostModel:
             for t in filler[2:k]:
                 dft_seq.feed([t])
             t2 = clock()
-            tgt_seq.feed(filler[:k], all_logits=True)
+            verify(tgt_seq, filler[:k])
             runs.append(clock() - t2)
             if k > 1:
                 first.append(t1 - t0)
@@ -156,4 +220,4 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5) -> CostModel:
     dft_seq.rewind(len(tokens))
     return CostModel(target_batch_s=batch, draft_token_s=float(np.median(single)),
                      plain_token_s=float(np.median(plain)),
-                     draft_first_s=float(np.median(first)))
+                     draft_first_s=float(np.median(first)), context=len(context))

@@ -48,6 +48,17 @@ def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
     return len(draft), int(np.argmax(last)) if greedy else int(rng.choice(len(last), p=last))
 
 
+def accept_greedy(draft: list[int], target_at: Callable[[int], int]) -> tuple[int, int]:
+    """Greedy verification: (drafted tokens equal to the target's argmax, the target's token
+    after them). ``target_at(i)`` is the target's greedy token after drafted prefix i; it is
+    asked only up to the first mismatch."""
+    for i, tok in enumerate(draft):
+        best = target_at(i)
+        if tok != best:
+            return i, best
+    return len(draft), target_at(len(draft))
+
+
 def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
     """(top-1 probability, entropy in nats) of the draft's full softmax."""
     z = logits.astype(np.float32) - np.float32(logits.max())
@@ -97,11 +108,18 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
     greedy = sampling.greedy
     confidence = policy.needs_confidence or trace is not None
 
-    def pick(dist: np.ndarray) -> int:
-        return int(np.argmax(dist)) if greedy else int(rng.choice(len(dist), p=dist))
+    def choose(seq: Sequence, logits: np.ndarray | None = None) -> tuple[int, np.ndarray | None]:
+        """The next token from ``seq``'s last output (or from ``logits`` already read) and,
+        when sampling, the distribution it was drawn from. Greedy takes the argmax in C
+        unless the logits were needed anyway (the draft's confidence)."""
+        if greedy:
+            return (seq.argmax() if logits is None else int(np.argmax(logits))), None
+        dist = probs(seq.logits() if logits is None else logits, sampling)
+        return int(rng.choice(len(dist), p=dist)), dist
 
     t0 = time.perf_counter()
-    token = pick(probs(tgt.prefill(prompt), sampling))
+    tgt.prefill(prompt, read=False)
+    token, _ = choose(tgt)
     if not policy.plan_is_plain:
         # the draft reads the prompt up front, as part of prefill (llama.cpp's tools count it
         # there too); a policy that may never draft leaves it to the first drafted round
@@ -112,23 +130,26 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
         ph = Phases()
         # 1. how many tokens to draft (0: a plain step)
         with ph("control"):
+            policy.at_context(base_t)
             g_max = policy.plan()
         # 2. draft them, one at a time, while the policy keeps them
         draft, q, conf = [], [], []
         with ph("draft"):
             if g_max > 0:
                 # catch the draft up on everything emitted since it last ran (one batch)
-                lg = dft.prefill(tgt.tokens + [token])
+                dft.prefill(tgt.tokens + [token], read=False)
             for i in range(g_max):
+                lg = None
                 if confidence:
+                    lg = dft.logits()
                     top1, ent = draft_confidence(lg)
                     with ph("control"):
                         ok = policy.keep(i, top1, ent)
                     if not ok:
                         break
                     conf.append((top1, ent))
-                dist = probs(lg, sampling)
-                draft.append(pick(dist))
+                tok, dist = choose(dft, lg)
+                draft.append(tok)
                 q.append(dist)
                 if i == g_max - 1:
                     break
@@ -136,17 +157,22 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
                     go_on = policy.more(i)
                 if not go_on:
                     break
-                lg = dft.feed([draft[-1]])
+                dft.decode([tok])
         # 3. verify: the target scores every drafted token in one batch, keeps the
         #    longest acceptable prefix and adds its own next token
         with ph("verify" if draft else "decode"):
             if not draft:
-                nxt = pick(probs(tgt.feed([token]), sampling))
+                tgt.decode([token])
+                nxt, _ = choose(tgt)
                 n_acc = 0
             else:
-                logits = tgt.feed([token] + draft, all_logits=True)
-                p = np.stack([probs(row, sampling) for row in logits])
-                n_acc, nxt = accept_drafts(draft, q, p, rng, greedy)
+                tgt.decode([token] + draft, all_outputs=True)
+                if greedy:  # no logits copied: the target's argmax per position, in C
+                    n_acc, nxt = accept_greedy(draft, tgt.argmax)
+                else:
+                    p = np.stack([probs(tgt.logits(j), sampling)
+                                  for j in range(len(draft) + 1)])
+                    n_acc, nxt = accept_drafts(draft, q, p, rng, greedy)
                 # keep what was emitted: the target holds token + accepted drafts, the
                 # draft too
                 tgt.rewind(base_t + 1 + n_acc)

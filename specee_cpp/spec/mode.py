@@ -12,6 +12,7 @@ from typing import Literal
 
 from ..engine.modes import Mode, register
 from ..engine.plain import PLAIN
+from ..engine.steps import with_note
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR
 from .policies import NEEDS_COSTS, NEEDS_MODEL, POLICY_NAMES
@@ -45,26 +46,34 @@ def controller_path(draft_sha256: str) -> Path:
     return BUNDLE_DIR / f"controller-{draft_sha256[:16]}.npz"
 
 
+def draft_sha256(llm) -> str:
+    """The draft file's sha256 (keys its controller and cost cache), read without loading
+    the draft: a pair whose costs say "never draft" never loads it."""
+    from ..models.pull import file_sha256
+
+    return llm.cached(("spec", "draft_sha256"), lambda: file_sha256(llm.draft_path))
+
+
 def cost_model(llm):
-    """This machine's speculative cost model for the loaded pair (measured on first use in
-    ~10 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
-    if llm.dft is None:
+    """This machine's speculative cost table for the loaded pair, at a short and a long
+    context (measured on first use in ~20 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
+    if llm.draft_path is None:
         raise SpeceeError("a cost model needs a draft model (--draft)")
 
     def make():
         from dataclasses import replace
 
         from ..provenance import machine, machine_id
-        from .cost import MEASURE_VERSION, load_or_measure, measure
+        from .cost import MEASURE_VERSION, load_or_measure, measure_table
 
         # the machine (CPU features, build, threads, AMX switch) is part of the key: a
         # cache copied to another machine, or a rebuilt library, measures again
         where = machine(llm.config.threads)
-        key = (f"{llm.model.sha256[:12]}-{llm.dft.model.sha256[:12]}"
+        key = (f"{llm.model.sha256[:12]}-{draft_sha256(llm)[:12]}"
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
         prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
         return load_or_measure(
-            key, lambda: replace(measure(llm.tgt.seq, llm.dft.seq, prompt), machine=where))
+            key, lambda: replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt), machine=where))
 
     return llm.cached(("spec", "costs"), make)
 
@@ -80,13 +89,13 @@ def acceptance_model(llm, path: Path | None = None):
     for a target of another shape than it was fitted on."""
     from .acceptance import AcceptanceModel
 
-    shipped = controller_path(llm.dft.model.sha256)
+    shipped = controller_path(draft_sha256(llm))
     path = path or shipped
 
     def make():
         if path == shipped and not path.is_file():
             raise SpeceeError(f"no shipped draft-length controller for draft "
-                              f"{llm.dft.model.path.name}; pass a fixed --gamma N or fit "
+                              f"{llm.draft_path.name}; pass a fixed --gamma N or fit "
                               f"one with specee-cpp fit-controller")
         model = AcceptanceModel.load(path)
         shape = [llm.model.info.arch, llm.model.n_layer, llm.model.n_embd]
@@ -120,10 +129,28 @@ class Spec(Mode):
     def start(self, llm, sampling, opts):
         from .decode import generate_spec
 
+        if opts.gamma in NEEDS_COSTS and opts.controller is None \
+                and not controller_path(draft_sha256(llm)).is_file():
+            # the cost-aware default on a draft nobody fitted a controller for: decode
+            # plainly and say so (an error would break `--draft` for every other draft)
+            return self._plain(llm, sampling, f"gamma {opts.gamma}: plain decoding, no "
+                               f"draft-length controller for {llm.draft_path.name} (fit one "
+                               f"with specee-cpp fit-controller, or pass --gamma N)")
         policy = draft_policy(llm, opts)
-        if policy.plan_is_plain:   # never drafts: plain decoding, without the draft's prefill
-            return PLAIN.start(llm, sampling, PLAIN.Options())
-        return lambda tokens: generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling)
+        if policy.plan_is_plain:
+            return self._plain(llm, sampling, (
+                f"gamma {opts.gamma}: plain decoding, drafting cannot pay on this machine's "
+                f"measured costs (specee-cpp costs)" if opts.gamma in NEEDS_COSTS
+                else f"gamma {opts.gamma}: plain decoding"))
+        note = f"draft {llm.draft_path.name}, gamma {opts.gamma}"
+        return lambda tokens: with_note(
+            generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling), note)
+
+    def _plain(self, llm, sampling, note: str):
+        """Plain decoding for a run that will not draft; the draft's memory goes back."""
+        llm.release_draft()
+        start = PLAIN.start(llm, sampling, PLAIN.Options())
+        return lambda tokens: with_note(start(tokens), note + "; draft not in memory")
 
     def describe(self, opts) -> str:
         return f"specee-cpp --mode spec gamma {opts.gamma}"

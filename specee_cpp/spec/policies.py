@@ -18,7 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import MAX_GAMMA
-from .cost import CostModel
+from .cost import CostModel, CostTable, as_table
+
+# cost-aware policies re-read their costs when the cache crosses a multiple of this
+CONTEXT_STEP = 64
 from ..errors import SpeceeError
 from .acceptance import AcceptanceModel, round_stats
 
@@ -41,6 +44,10 @@ class DraftPolicy:
     def update(self, n_drafted: int, n_accept: int, top1: list[float],
                entropy: list[float], seconds: float = 0.0) -> None:
         """After a round (``n_drafted`` 0: a plain step) that took ``seconds``."""
+
+    def at_context(self, n_tokens: int) -> None:
+        """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
+        costs at this length)."""
 
 
 class FixedGamma(DraftPolicy):
@@ -179,18 +186,29 @@ class CostAwareGamma(_RoundModelPolicy):
 
     name = "ours-gamma"
 
-    def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float,
+    def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
                  gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16):
         super().__init__(model, bpw, gammas)
-        self.costs = costs
+        self.table = as_table(costs)
         self.explore_every = explore_every
-        g = self.gammas
-        self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in g])
-        self.plain_tps = 1.0 / costs.plain
-        self.can_pay = costs.drafting_can_pay(int(g.max()))
-        self.plan_is_plain = not self.can_pay
+        self.plan_is_plain = not self.table.drafting_can_pay(int(self.gammas.max()))
         self.n_plain = 0
+        self._bucket = None
+        self._read(self.table.points[0])
         self.guard = Guard(self.plain_tps)
+
+    def _read(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in self.gammas])
+        self.plain_tps = 1.0 / costs.plain
+        self.can_pay = costs.drafting_can_pay(int(self.gammas.max()))
+
+    def at_context(self, n_tokens: int) -> None:
+        bucket = n_tokens // CONTEXT_STEP
+        if bucket != self._bucket and len(self.table.points) > 1:
+            self._bucket = bucket
+            self._read(self.table.at(n_tokens))
+            self.guard.plain_prior = self.plain_tps
 
     def plan(self) -> int:
         if not self.can_pay:
@@ -219,11 +237,25 @@ class CostAwareStop(DraftPolicy):
     name = "ours-stop"
     needs_confidence = True
 
-    def __init__(self, model: AcceptanceModel, costs: CostModel, bpw: float, n_max: int = MAX_GAMMA):
-        self.model, self.costs, self.bpw, self.n_max = model, costs, bpw, n_max
-        self.can_pay = costs.drafting_can_pay(n_max)
-        self.plan_is_plain = not self.can_pay
-        self.guard = Guard(1.0 / costs.plain)
+    def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
+                 n_max: int = MAX_GAMMA):
+        self.model, self.bpw, self.n_max = model, bpw, n_max
+        self.table = as_table(costs)
+        self.plan_is_plain = not self.table.drafting_can_pay(n_max)
+        self._bucket = None
+        self._read(self.table.points[0])
+        self.guard = Guard(1.0 / self.costs.plain)
+
+    def _read(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.can_pay = costs.drafting_can_pay(self.n_max)
+
+    def at_context(self, n_tokens: int) -> None:
+        bucket = n_tokens // CONTEXT_STEP
+        if bucket != self._bucket and len(self.table.points) > 1:
+            self._bucket = bucket
+            self._read(self.table.at(n_tokens))
+            self.guard.plain_prior = 1.0 / self.costs.plain
 
     def plan(self) -> int:
         if not self.can_pay:
