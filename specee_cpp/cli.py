@@ -80,6 +80,18 @@ def _mode_options(mode: str | None, draft: str | None, **given):
     return m, m.options(**given)
 
 
+def _prepare(llm, m, opts) -> None:
+    """What a mode measures once per machine, done under a status line rather than
+    silently inside the first reply."""
+    if m.name == "spec":
+        from .spec.mode import cost_model, needs_costs
+
+        if needs_costs(llm, opts):
+            with err.status("reading this machine's draft/verify costs (first time: about a "
+                            "minute, then cached)"):
+                cost_model(llm)
+
+
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:
     return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
@@ -149,6 +161,7 @@ def generate(
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
+        _prepare(llm, m, opts)
         done = Transcript()
         for step in llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
                                mode=m, options=opts):
@@ -190,6 +203,7 @@ def chat(
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
     with llm:
+        _prepare(llm, m, opts)
         err.print(f"[bold]{llm.model.path.name}[/bold]"
                   + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
                   + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply.")

@@ -44,3 +44,20 @@ def test_bad_types_and_cli(tiny64, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "tiny64.Q8_0.gguf").is_file()
+
+
+@pytest.mark.model
+def test_name_colon_type_is_a_cached_variant(small_model, tmp_path, monkeypatch):
+    """`NAME:TYPE` (a draft made cheap for this machine's kernels) is quantized once into
+    the model cache and then reused."""
+    from specee_cpp.engine.llm import resolve
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))   # a model cache of its own
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / small_model.name).symlink_to(small_model)
+    out = resolve("smollm2-135m:q8_0")
+    assert out.parent == tmp_path / "models" and read_gguf_info(out).quant == "Q8_0"
+    stamp = out.stat().st_mtime_ns
+    assert resolve("smollm2-135m:Q8_0") == out and out.stat().st_mtime_ns == stamp
+    with pytest.raises(SpeceeError, match="unknown quantization type"):
+        resolve("smollm2-135m:Q9")

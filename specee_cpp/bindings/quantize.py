@@ -37,6 +37,19 @@ def source_bits(file_type: str) -> float | None:
     return TYPES[quant][1] if quant in TYPES else None
 
 
+def variant(src: Path, qtype: str, n_threads: int = 0) -> Path:
+    """``src`` requantized to ``qtype`` in the model cache, made on first use (a draft whose
+    every matrix takes this machine's fast kernels, say); what ``NAME:TYPE`` resolves to."""
+    from ..paths import models_dir
+
+    (qtype,) = parse_types(qtype)
+    out = models_dir() / f"{Path(src).name.removesuffix('.gguf')}.{qtype}.gguf"
+    if out.is_file():
+        return out
+    path, _ = quantize(src, qtype, models_dir(), n_threads)
+    return path
+
+
 def quantize(src: Path, qtype: str, out_dir: Path, n_threads: int = 0) -> tuple[Path, str | None]:
     """Write ``src`` quantized as ``qtype`` into ``out_dir``; returns (path, warning or None).
 

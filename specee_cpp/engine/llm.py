@@ -8,7 +8,7 @@ from ..bindings import Context, Model
 from ..config import LoadConfig, SamplingConfig
 from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
 from ..models.gguf_info import read_gguf_info
-from ..models.registry import resolve_model
+from ..models.registry import looks_like_path, resolve_model
 from . import modes
 from . import plain as _plain  # noqa: F401  (registers the plain mode)
 from .chat_template import ChatTemplate
@@ -17,6 +17,19 @@ from .sequence import Sequence
 from .steps import Result, Step, Transcript, stream
 
 Prompt = str | list[dict]
+
+
+def resolve(ref: str | Path) -> Path:
+    """A registry name, a .gguf path, or ``NAME:TYPE``: a registry model requantized to a
+    llama.cpp type (``qwen2.5-coder-0.5b:Q4_0``), made once with llama.cpp's quantizer and
+    kept in the model cache."""
+    s = str(ref)
+    if isinstance(ref, str) and ":" in s and not looks_like_path(s):
+        from ..bindings.quantize import variant
+
+        base, qtype = s.rsplit(":", 1)
+        return variant(resolve_model(base), qtype.upper())
+    return resolve_model(ref)
 
 
 def check_same_tokenizer(target: Path, draft: Path) -> None:
@@ -53,8 +66,8 @@ class LLM:
     def __init__(self, model: str | Path, draft: str | Path | None = None,
                  config: LoadConfig = LoadConfig()):
         self.config = config
-        target_path = resolve_model(model)
-        draft_path = resolve_model(draft) if draft is not None else None
+        target_path = resolve(model)
+        draft_path = resolve(draft) if draft is not None else None
         if draft_path is not None:
             check_same_tokenizer(target_path, draft_path)
         self.tgt = _Loaded(target_path, config)

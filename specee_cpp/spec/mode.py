@@ -107,6 +107,16 @@ def acceptance_model(llm, path: Path | None = None):
     return llm.cached(("spec", "controller", path), make)
 
 
+def has_controller(llm, opts: SpecOptions) -> bool:
+    return opts.controller is not None or controller_path(draft_sha256(llm)).is_file()
+
+
+def needs_costs(llm, opts: SpecOptions) -> bool:
+    """Whether a run with these options reads this machine's cost table (the first one
+    measures it, about a minute with the default pair on 2 cores, then it is cached)."""
+    return opts.gamma in NEEDS_COSTS and has_controller(llm, opts)
+
+
 def draft_policy(llm, opts: SpecOptions):
     """A fresh draft-length policy for one generation (policies keep per-run state)."""
     from .policies import make_policy
@@ -129,8 +139,7 @@ class Spec(Mode):
     def start(self, llm, sampling, opts):
         from .decode import generate_spec
 
-        if opts.gamma in NEEDS_COSTS and opts.controller is None \
-                and not controller_path(draft_sha256(llm)).is_file():
+        if opts.gamma in NEEDS_COSTS and not has_controller(llm, opts):
             # the cost-aware default on a draft nobody fitted a controller for: decode
             # plainly and say so (an error would break `--draft` for every other draft)
             return self._plain(llm, sampling, f"gamma {opts.gamma}: plain decoding, no "

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Draft variants for this machine's kernels: cost and acceptance of each requantized draft.
+
+For each llama.cpp type the draft is requantized to (`NAME:TYPE`, made once and cached),
+this measures the cost table against the target (`specee-cpp costs`: a draft token in
+target tokens, verification of 2/4/8) and runs `specee-cpp bench` with a fixed draft length
+on held-out dev prompts for the acceptance, then writes one table with this command into
+docs/BENCHMARKS.md. A cheaper draft pays only where verification is cheap enough too: the
+table says which side stops drafting on this machine.
+
+    python scripts/draft_variants.py --types Q4_K_M,Q4_0,IQ4_NL,Q8_0 --gamma 3
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--types", default="Q4_K_M,Q4_0,IQ4_NL,Q8_0",
+                    help="draft types; the registry file's own type is the draft as shipped")
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-write", action="store_true")
+    ns = ap.parse_args()
+
+    from specee_cpp.bench.report import write_section
+    from specee_cpp.bench.suite import BenchOptions, run
+    from specee_cpp.config import LoadConfig
+    from specee_cpp.engine.llm import LLM
+    from specee_cpp.models.registry import load_registry
+    from specee_cpp.provenance import describe
+    from specee_cpp.spec.mode import cost_model
+
+    shipped = load_registry().get(ns.draft).quant
+    rows, where = [], None
+    for qtype in ns.types.split(","):
+        name = ns.draft if qtype == shipped else f"{ns.draft}:{qtype}"
+        print(f"[variants] {name}: costs", file=sys.stderr)
+        with LLM(ns.target, draft=name, config=LoadConfig()) as llm:
+            table = cost_model(llm)
+            mb = llm.draft_path.stat().st_size / 2**20
+        c = table.points[0]
+        v1, where = c.plain, table.machine
+        print(f"[variants] {name}: acceptance (spec-{ns.gamma})", file=sys.stderr)
+        out = REPO / "docs" / "bench" / f"draft-{qtype}"
+        s = run(BenchOptions(model=ns.target, draft=name, configs=f"spec-{ns.gamma}",
+                             per_category=ns.per_category, max_tokens=ns.max_tokens,
+                             max_prompt_tokens=256, out=str(out)))
+        e = s["configs"][f"spec-{ns.gamma}"]
+        best = max(range(1, 9), key=lambda g: c.expected_tps(e["acceptance"] or 0, g))
+        rows.append(f"| {qtype}{' (shipped)' if qtype == shipped else ''} | {mb:.0f} | "
+                    f"{c.draft_token_s / v1:.2f} | "
+                    + " / ".join(f"{c.verify(n) / v1:.2f}" for n in (2, 4, 8))
+                    + f" | {e['acceptance']:.3f} | {e['speedup']:.3f} | "
+                    f"{c.expected_tps(e['acceptance'] or 0, best) * v1:.2f} (gamma {best}) |")
+    head = ("| draft type | MiB | draft token / target token | verify 2 / 4 / 8 | "
+            f"acceptance (gamma {ns.gamma}) | spec-{ns.gamma} vs plain (measured) | "
+            "best predicted vs plain |")
+    table_md = "\n".join([head, "|---|---|---|---|---|---|---|", *rows])
+    print(table_md)
+    if not ns.no_write:
+        cmd = "python scripts/draft_variants.py " + " ".join(sys.argv[1:])
+        write_section(REPO / "docs" / "BENCHMARKS.md", "Draft variants for this machine's kernels",
+                      f"`{cmd}`: each draft type made from the shipped "
+                      f"{ns.draft} ({shipped}) with llama.cpp's quantizer (`NAME:TYPE`); costs "
+                      f"from `specee-cpp costs` (128-token context, target "
+                      f"{ns.target}); acceptance and measured speed from `specee-cpp bench "
+                      f"--configs spec-{ns.gamma} --per-category {ns.per_category} "
+                      f"--max-prompt-tokens 256` (held-out dev prompts, {ns.max_tokens} "
+                      f"tokens, its own plain in the same run; records "
+                      f"`docs/bench/draft-*.json`). Best predicted: the cost model's best "
+                      f"gamma at that acceptance. Measured on {describe(where)}; "
+                      f"{time.strftime('%Y-%m-%d')}.\n\n{table_md}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
