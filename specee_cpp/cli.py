@@ -55,7 +55,8 @@ def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
 
 
 # command-line flag of each mode option (the options themselves are the modes' dataclasses)
-_MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "provider": "--provider",
+_MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--no-context",
+               "provider": "--provider",
                "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule"}
 
 
@@ -112,6 +113,9 @@ OptMode = typer.Option(None, "--mode",
 OptGamma = typer.Option(None, "--gamma",
                         help="spec: auto (default; cost-aware controller, drafts only where it "
                              "pays), a fixed number of tokens per round, or stop, pmin, hf, speckv.")
+OptContext = typer.Option(None, "--context/--no-context",
+                          help="spec, gamma auto/stop: also draft for free from the context "
+                               "where that pays (default: on).")
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
 OptProvider = typer.Option(None, "--provider", help="ee candidates: draft (default) or ngram.")
@@ -151,6 +155,7 @@ def generate(
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
+    context: Optional[bool] = OptContext,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
@@ -158,7 +163,8 @@ def generate(
     from .engine.steps import Transcript
 
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, provider=provider,
+    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
+                            provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         _prepare(llm, m, opts)
@@ -189,6 +195,7 @@ def chat(
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
+    context: Optional[bool] = OptContext,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
@@ -198,7 +205,8 @@ def chat(
         target, dft = load_registry().pair("default")
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, provider=provider,
+    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
+                            provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))

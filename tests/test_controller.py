@@ -169,7 +169,7 @@ def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
 
     model.save(tmp_path / "ctl.npz")
     use_cost_model(pair, CPU)   # the shape measured on this machine: drafting cannot pay
-    opts = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz")
+    opts = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz", context=False)
     res = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=opts)
     assert res.tokens == pair.generate("def fib(n):", max_tokens=24).tokens
     assert res.stats.n_drafted == 0

@@ -58,6 +58,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # draft-length policies (spec.policies): ours and the baselines, all lossless
     *[BenchConfig(f"spec-{p}", "ours", True, mode="spec", options=SpecOptions(gamma=p),
                   needs_draft=True) for p in ("auto", "stop", "pmin", "hf", "speckv")],
+    # auto without the free drafts from the context: the draft model's part alone
+    BenchConfig("spec-auto-model", "ours", True, mode="spec",
+                options=SpecOptions(gamma="auto", context=False), needs_draft=True),
     BenchConfig("ee-draft", "ours", False, mode="ee", options=EEOptions(provider="draft"),
                 needs_draft=True),
     BenchConfig("ee-ngram", "ours", False, mode="ee", options=EEOptions(provider="ngram")),

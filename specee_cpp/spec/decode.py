@@ -21,6 +21,7 @@ from ..engine.sampling import probs
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
 from .policies import DraftPolicy, FixedGamma
+from .suffix import ContextSource
 
 
 def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
@@ -46,6 +47,14 @@ def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
         return i, int(rng.choice(len(resid), p=resid))
     last = p[len(draft)]
     return len(draft), int(np.argmax(last)) if greedy else int(rng.choice(len(last), p=last))
+
+
+def one_hot(token: int, seq: Sequence) -> np.ndarray:
+    """The distribution a deterministic (free) draft token was drawn from, for the rejection
+    rule: accepting it with probability p(token) keeps the output exactly p-distributed."""
+    q = np.zeros(seq.ctx.model.n_vocab)
+    q[token] = 1.0
+    return q
 
 
 def accept_greedy(draft: list[int], target_at: Callable[[int], int]) -> tuple[int, int]:
@@ -93,15 +102,18 @@ class Phases:
                 self._stack[-1] = (self._stack[-1][0], end)
 
 
-def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: DraftPolicy | int,
-                  sampling: SamplingConfig,
-                  trace: Callable[[dict], None] | None = None) -> Iterator[Step]:
+def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
+                  policy: DraftPolicy | int, sampling: SamplingConfig,
+                  trace: Callable[[dict], None] | None = None,
+                  context: ContextSource | None = None) -> Iterator[Step]:
     """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
     a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
     model is brought up to date (one batch) when a round drafts again. ``trace``, if given,
     receives one record per drafted round (the draft's top-1 probability and entropy per
     drafted token, the accepted count, draft and verify seconds): the profiling data of a
-    draft-length controller."""
+    draft-length controller. ``context``, if given, is a free drafter from the context that
+    takes a round whenever its proposal is predicted to beat plain decoding; the draft model
+    (``dft``, None for a policy that never drafts) serves the others."""
     if isinstance(policy, int):
         policy = FixedGamma(policy)
     rng = np.random.default_rng(sampling.seed)
@@ -120,6 +132,8 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
     t0 = time.perf_counter()
     tgt.prefill(prompt, read=False)
     token, _ = choose(tgt)
+    if context is not None:
+        context.extend(prompt + [token])
     if not policy.plan_is_plain:
         # the draft reads the prompt up front, as part of prefill (llama.cpp's tools count it
         # there too); a policy that may never draft leaves it to the first drafted round
@@ -131,9 +145,12 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
         # 1. how many tokens to draft (0: a plain step)
         with ph("control"):
             policy.at_context(base_t)
-            g_max = policy.plan()
+            # a free draft from the context takes the round when it pays; else the policy
+            free = context.plan(base_t + 1) if context is not None else []
+            g_max = 0 if free else policy.plan()
         # 2. draft them, one at a time, while the policy keeps them
-        draft, q, conf = [], [], []
+        draft, q, conf = list(free), [one_hot(t, tgt) for t in free] if not greedy else \
+            [None] * len(free), []
         with ph("draft"):
             if g_max > 0:
                 # catch the draft up on everything emitted since it last ran (one batch)
@@ -176,13 +193,19 @@ def generate_spec(tgt: Sequence, dft: Sequence, prompt: list[int], policy: Draft
                 # keep what was emitted: the target holds token + accepted drafts, the
                 # draft too
                 tgt.rewind(base_t + 1 + n_acc)
-                dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
-        # 4. the policy learns from the round (its own time is control)
+                if dft is not None:
+                    dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
+        # 4. the source that drafted learns from the round (its own time is control)
         round_s = sum(ph.seconds.values())
         with ph("control"):
-            policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
-                          round_s)
-        if trace is not None and draft:
+            if free:
+                context.update(len(free), n_acc)
+            else:
+                policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
+                              round_s)
+            if context is not None:
+                context.extend(draft[:n_acc] + [nxt])
+        if trace is not None and draft and not free:
             trace({"gamma": len(draft), "draft_top1": [round(c[0], 5) for c in conf],
                    "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,
                    "t_draft": ph.seconds["draft"], "t_verify": ph.seconds["verify"]})

@@ -30,6 +30,9 @@ def parse_gamma(text: str) -> Gamma:
 class SpecOptions:
     gamma: Gamma = "auto"             # tokens drafted per round, or a policy name
     controller: Path | None = None    # fitted acceptance model; None: the one shipped
+    # auto/stop: also draft for free from the context (prompt and output so far) in the
+    # rounds where that is predicted to beat plain decoding (spec/suffix.py)
+    context: bool = True
 
     def __post_init__(self) -> None:
         g = self.gamma
@@ -114,7 +117,7 @@ def has_controller(llm, opts: SpecOptions) -> bool:
 def needs_costs(llm, opts: SpecOptions) -> bool:
     """Whether a run with these options reads this machine's cost table (the first one
     measures it, about a minute with the default pair on 2 cores, then it is cached)."""
-    return opts.gamma in NEEDS_COSTS and has_controller(llm, opts)
+    return opts.gamma in NEEDS_COSTS and (opts.context or has_controller(llm, opts))
 
 
 def draft_policy(llm, opts: SpecOptions):
@@ -138,22 +141,37 @@ class Spec(Mode):
 
     def start(self, llm, sampling, opts):
         from .decode import generate_spec
+        from .policies import FixedGamma
+        from .suffix import ContextSource
 
-        if opts.gamma in NEEDS_COSTS and not has_controller(llm, opts):
-            # the cost-aware default on a draft nobody fitted a controller for: decode
-            # plainly and say so (an error would break `--draft` for every other draft)
-            return self._plain(llm, sampling, f"gamma {opts.gamma}: plain decoding, no "
-                               f"draft-length controller for {llm.draft_path.name} (fit one "
-                               f"with specee-cpp fit-controller, or pass --gamma N)")
-        policy = draft_policy(llm, opts)
+        cost_aware = opts.gamma in NEEDS_COSTS
+        why = ""
+        if cost_aware and not has_controller(llm, opts):
+            # the cost-aware default on a draft nobody fitted a controller for: no model
+            # drafting (an error would break `--draft` for every other draft), say so
+            policy = FixedGamma(0)
+            why = (f"no draft-length controller for {llm.draft_path.name} (fit one with "
+                   f"specee-cpp fit-controller, or pass --gamma N)")
+        else:
+            policy = draft_policy(llm, opts)
+            if policy.plan_is_plain and cost_aware:
+                why = "model drafting cannot pay on this machine's measured costs"
+        with_context = cost_aware and opts.context
+        if policy.plan_is_plain and not with_context:
+            return self._plain(llm, sampling, f"gamma {opts.gamma}: plain decoding"
+                               + (f", {why}" if why else ""))
+        costs = cost_model(llm) if with_context else None
         if policy.plan_is_plain:
-            return self._plain(llm, sampling, (
-                f"gamma {opts.gamma}: plain decoding, drafting cannot pay on this machine's "
-                f"measured costs (specee-cpp costs)" if opts.gamma in NEEDS_COSTS
-                else f"gamma {opts.gamma}: plain decoding"))
-        note = f"draft {llm.draft_path.name}, gamma {opts.gamma}"
-        return lambda tokens: with_note(
-            generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling), note)
+            llm.release_draft()   # only free drafts from the context will be tried
+            note = (f"gamma {opts.gamma}: drafts from the context where they pay, else "
+                    f"plain; {why}; draft not in memory")
+        else:
+            note = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
+                    + (", and drafts from the context where they pay" if with_context else ""))
+        dft = None if policy.plan_is_plain else llm.dft.seq
+        return lambda tokens: with_note(generate_spec(
+            llm.tgt.seq, dft, tokens, policy, sampling,
+            context=ContextSource(costs) if with_context else None), note)
 
     def _plain(self, llm, sampling, note: str):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""
@@ -162,7 +180,8 @@ class Spec(Mode):
         return lambda tokens: with_note(start(tokens), note + "; draft not in memory")
 
     def describe(self, opts) -> str:
-        return f"specee-cpp --mode spec gamma {opts.gamma}"
+        return (f"specee-cpp --mode spec gamma {opts.gamma}"
+                + ("" if opts.context or opts.gamma not in NEEDS_COSTS else " --no-context"))
 
 
 register(Spec())

@@ -1,0 +1,138 @@
+"""Free drafts from the context: a depth-limited suffix trie with counts (SuffixDecoding,
+arXiv 2411.04975) over the prompt and the output so far.
+
+Every substring of up to ``depth`` tokens that occurred is a path from the root; a node's
+count says how often its substring occurred, so a child's share of its parent's count is
+how often that token followed. Appending a token extends the ``depth`` paths that end at
+the previous position (O(depth) dictionary updates). A draft starts at the longest suffix
+of the context that occurred before with something after it, follows the most frequent
+child while its share stays high, and re-matches on the extended context when the trie's
+depth runs out. Its per-token shares are the drafter's acceptance estimates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]
+    probs: list[float]      # per token: how often it followed (its share, one pseudo-count)
+    match: int              # length of the matched context suffix
+
+
+class SuffixTrie:
+    def __init__(self, depth: int = 8):
+        if depth < 2:
+            raise ValueError(f"depth must be >= 2, got {depth}")
+        self.depth = depth
+        self.child: dict[tuple[int, int], int] = {}    # (node, token) -> node
+        self.kids: list[list[int]] = [[]]               # node -> its children's tokens
+        self.count: list[int] = [0]
+        self.tokens: list[int] = []
+        self._open: list[int] = []   # nodes of the substrings ending at the last position
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            nxt = []
+            for node in [0] + self._open[: self.depth - 1]:
+                key = (node, t)
+                c = self.child.get(key)
+                if c is None:
+                    c = len(self.count)
+                    self.child[key] = c
+                    self.count.append(0)
+                    self.kids.append([])
+                    self.kids[node].append(t)
+                self.count[c] += 1
+                nxt.append(c)
+            self._open = nxt   # shortest first: the substring of length 1, 2, ...
+            self.tokens.append(t)
+
+    def _node(self, path) -> int | None:
+        node = 0
+        for t in path:
+            node = self.child.get((node, t))
+            if node is None:
+                return None
+        return node
+
+    def _match(self, ctx: list[int]) -> tuple[int, int]:
+        """(node, length) of the longest suffix of ``ctx`` (at most depth - 1 tokens, so
+        that a child can follow) whose node has children, i.e. occurred with a successor."""
+        for n in range(min(self.depth - 1, len(ctx)), 0, -1):
+            node = self._node(ctx[-n:])
+            if node is not None and self.kids[node]:
+                return node, n
+        return 0, 0
+
+    def propose(self, n_max: int, min_match: int = 2, min_prob: float = 0.3,
+                extra: list[int] | None = None) -> Proposal:
+        """Up to ``n_max`` tokens likely to follow the context (plus ``extra``, tokens not in
+        the trie yet: the round's last token); empty when no suffix of ``min_match``
+        tokens occurred before."""
+        ctx = self.tokens[-(self.depth - 1):] + list(extra or [])
+        out: list[int] = []
+        probs: list[float] = []
+        first_match = 0
+        while len(out) < n_max:
+            node, n = self._match(ctx)
+            if n < min_match:
+                break
+            first_match = first_match or n
+            total = sum(self.count[self.child[(node, t)]] for t in self.kids[node])
+            tok = max(self.kids[node], key=lambda t: self.count[self.child[(node, t)]])
+            # one pseudo-count for "something else follows": a single earlier occurrence
+            # is a coin flip, not a certainty
+            p = self.count[self.child[(node, tok)]] / (total + 1)
+            if p < min_prob:
+                break
+            out.append(tok)
+            probs.append(p)
+            ctx = (ctx + [tok])[-(self.depth - 1):]
+        return Proposal(out, probs, first_match)
+
+
+class ContextSource:
+    """The free drafter as a speculative source: each round it proposes a continuation from
+    the context and keeps the prefix that maximises expected tokens per second under this
+    machine's costs (a free draft costs only its verification), or nothing when plain
+    decoding is faster. The trie's shares are corrected online by how much of what it
+    predicted was accepted."""
+
+    def __init__(self, costs, depth: int = 8, n_max: int = 16):
+        from .cost import as_table
+
+        self.table = as_table(costs)
+        self.trie = SuffixTrie(depth)
+        self.n_max = n_max
+        self.calib = 1.0          # accepted / predicted, moving average
+        self._predicted = 0.0
+
+    def extend(self, tokens) -> None:
+        self.trie.extend(tokens)
+
+    def plan(self, n_context: int) -> list[int]:
+        prop = self.trie.propose(self.n_max)
+        if not prop.tokens:
+            return []
+        costs = self.table.at(n_context)
+        best_g, best_tps, expect, p_all = 0, 1.0 / costs.plain, 1.0, 1.0
+        expects = []
+        for g, p in enumerate(prop.probs, 1):
+            p_all *= min(1.0, p * self.calib)
+            expect += p_all
+            expects.append(expect)
+            tps = expect / costs.verify(g + 1)
+            if tps > best_tps:
+                best_g, best_tps = g, tps
+        self._predicted = expects[best_g - 1] - 1.0 if best_g else 0.0
+        return prop.tokens[:best_g]
+
+    def update(self, n_drafted: int, n_accept: int) -> None:
+        if n_drafted and self._predicted > 0:
+            ratio = n_accept / self._predicted
+            self.calib = min(1.5, max(0.1, 0.8 * self.calib + 0.2 * ratio))
