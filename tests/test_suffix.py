@@ -27,7 +27,7 @@ def test_proposal_continues_the_most_frequent_earlier_match():
     p = t.propose(4)
     # "9 5 6" occurred before (followed by 7); "6 7 8" was followed by 9 twice, by 1 once
     assert p.tokens[:3] == [7, 8, 9] and p.match == 3
-    assert p.probs[0] == pytest.approx(1 / 2) and p.probs[2] == pytest.approx(2 / 4)
+    assert p.probs[0] == 1.0 and p.probs[2] == pytest.approx(2 / 3)
     assert SuffixTrie(4).propose(4).tokens == []                 # nothing seen
     fresh = SuffixTrie(4)
     fresh.extend([1, 2, 3, 4])
@@ -41,7 +41,7 @@ def test_context_source_drafts_only_where_it_pays():
         s.extend(text)
     drafted = flat.plan(len(text))
     want = (list(range(25, 40)) + list(range(20, 40)))[:len(drafted)]   # the cycle goes on
-    assert drafted == want and len(drafted) >= 8
+    assert drafted == want and len(drafted) >= 4
     # steep verification: a draft of shares 1.0 still pays a little for a short prefix;
     # after its drafts keep being rejected the calibration stops it
     for _ in range(12):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]
-    probs: list[float]      # per token: how often it followed (its share, one pseudo-count)
+    probs: list[float]      # per token: how often it followed (share of its parent's count)
     match: int              # length of the matched context suffix
 
 
@@ -85,9 +85,7 @@ class SuffixTrie:
             first_match = first_match or n
             total = sum(self.count[self.child[(node, t)]] for t in self.kids[node])
             tok = max(self.kids[node], key=lambda t: self.count[self.child[(node, t)]])
-            # one pseudo-count for "something else follows": a single earlier occurrence
-            # is a coin flip, not a certainty
-            p = self.count[self.child[(node, tok)]] / (total + 1)
+            p = self.count[self.child[(node, tok)]] / total
             if p < min_prob:
                 break
             out.append(tok)
@@ -100,8 +98,14 @@ class ContextSource:
     """The free drafter as a speculative source: each round it proposes a continuation from
     the context and keeps the prefix that maximises expected tokens per second under this
     machine's costs (a free draft costs only its verification), or nothing when plain
-    decoding is faster. The trie's shares are corrected online by how much of what it
-    predicted was accepted."""
+    decoding is faster.
+
+    A drafted token's acceptance is estimated as the trie's share times the acceptance rate
+    of context drafts with a match of that length so far in this run (a Beta posterior per
+    match-length band, prior mean 2/3: a first guess that is worth one short draft where
+    verification is dear, and learns within a few rounds whether copying works here)."""
+
+    BANDS = (3, 5)                # match lengths 1-2, 3-4, 5+
 
     def __init__(self, costs, depth: int = 8, n_max: int = 16):
         from .cost import as_table
@@ -109,8 +113,12 @@ class ContextSource:
         self.table = as_table(costs)
         self.trie = SuffixTrie(depth)
         self.n_max = n_max
-        self.calib = 1.0          # accepted / predicted, moving average
-        self._predicted = 0.0
+        self.beta = [[2.0, 1.0] for _ in range(len(self.BANDS) + 1)]   # accepted, rejected
+        self._band = 0
+
+    def _rate(self, band: int) -> float:
+        a, b = self.beta[band]
+        return a / (a + b)
 
     def extend(self, tokens) -> None:
         self.trie.extend(tokens)
@@ -120,19 +128,20 @@ class ContextSource:
         if not prop.tokens:
             return []
         costs = self.table.at(n_context)
+        self._band = sum(prop.match >= b for b in self.BANDS)
+        rate = self._rate(self._band)
         best_g, best_tps, expect, p_all = 0, 1.0 / costs.plain, 1.0, 1.0
-        expects = []
         for g, p in enumerate(prop.probs, 1):
-            p_all *= min(1.0, p * self.calib)
+            p_all *= p * rate
             expect += p_all
-            expects.append(expect)
             tps = expect / costs.verify(g + 1)
             if tps > best_tps:
                 best_g, best_tps = g, tps
-        self._predicted = expects[best_g - 1] - 1.0 if best_g else 0.0
         return prop.tokens[:best_g]
 
     def update(self, n_drafted: int, n_accept: int) -> None:
-        if n_drafted and self._predicted > 0:
-            ratio = n_accept / self._predicted
-            self.calib = min(1.5, max(0.1, 0.8 * self.calib + 0.2 * ratio))
+        """After a context round: tokens before the first rejection were accepted (each a
+        success), the first rejected one a failure, the rest unobserved."""
+        if n_drafted:
+            self.beta[self._band][0] += n_accept
+            self.beta[self._band][1] += n_accept < n_drafted
