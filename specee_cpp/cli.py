@@ -55,7 +55,7 @@ def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
 
 
 # command-line flag of each mode option (the options themselves are the modes' dataclasses)
-_MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--no-context",
+_MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--context",
                "provider": "--provider",
                "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule"}
 
@@ -74,23 +74,14 @@ def _mode_options(mode: str | None, draft: str | None, **given):
         if key not in {f.name for f in fields(m.Options)}:
             owner = next((n for n in modes.names()
                           if key in {f.name for f in fields(modes.get(n).Options)}), "?")
-            raise SpeceeError(f"{_MODE_FLAGS[key]} {value} applies to --mode {owner}, "
-                              f"not --mode {mode}")
+            flag = _MODE_FLAGS[key]
+            # a switch is named as typed (--context / --no-context), other flags with value
+            given_as = (flag if value else "--no-" + flag[2:]) if isinstance(value, bool) \
+                else f"{flag} {value}"
+            raise SpeceeError(f"{given_as} applies to --mode {owner}, not --mode {mode}")
     if "gamma" in given:
         given["gamma"] = parse_gamma(given["gamma"])
     return m, m.options(**given)
-
-
-def _prepare(llm, m, opts) -> None:
-    """What a mode measures once per machine, done under a status line rather than
-    silently inside the first reply."""
-    if m.name == "spec":
-        from .spec.mode import cost_model, needs_costs
-
-        if needs_costs(llm, opts):
-            with err.status("reading this machine's draft/verify costs (first time: about a "
-                            "minute, then cached)"):
-                cost_model(llm)
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:
@@ -167,7 +158,7 @@ def generate(
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
-        _prepare(llm, m, opts)
+        m.prepare(llm, opts, status=err.status)
         done = Transcript()
         for step in llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
                                mode=m, options=opts):
@@ -211,7 +202,7 @@ def chat(
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
         llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
     with llm:
-        _prepare(llm, m, opts)
+        m.prepare(llm, opts, status=err.status)
         err.print(f"[bold]{llm.model.path.name}[/bold]"
                   + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
                   + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply.")

@@ -41,6 +41,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--controller", "c.npz"], "--controller c.npz applies to --mode spec, not --mode plain"),
     (["--mode", "spec", "--gamma", "often"], "gamma must be a number of tokens >= 0 or one of"),
     (["--mode", "fast"], "unknown mode 'fast'; modes: plain, spec, ee"),
+    (["--no-context"], "--no-context applies to --mode spec, not --mode plain"),
 ])
 def test_bad_options_name_the_value(tiny_llama, args, needle):
     r = cli("generate", str(tiny_llama), "-p", "hi", "-n", "2", *args)

@@ -46,8 +46,7 @@ def agreement(llm: LLM, prompt: list[int], out: list[int]) -> float | None:
     seq.prefill(prompt, read=False)
     preds = [seq.argmax()]
     if len(out) > 1:
-        seq.decode(out[:-1], all_outputs=True)
-        preds += [seq.argmax(j) for j in range(len(out) - 1)]
+        preds += seq.decode_greedy(out[:-1])
     return float(np.mean([p == t for p, t in zip(preds, out)]))
 
 

@@ -14,6 +14,7 @@ This module imports nothing heavy: registering a mode must not load libllama.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
     from .steps import Step
 
 Start = Callable[[list[int]], Iterator["Step"]]   # prompt tokens -> steps
+
+
+def no_status(text: str):
+    """``Mode.prepare``'s default status: says nothing."""
+    return nullcontext()
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,11 @@ class Mode:
 
     def start(self, llm: LLM, sampling: SamplingConfig, opts) -> Start:
         raise NotImplementedError
+
+    def prepare(self, llm: LLM, opts, status: Callable[[str], Any] = no_status) -> None:
+        """Do up front, inside ``status(text)`` (a context manager: the CLI's status line),
+        the one-time work the first ``start`` would otherwise do silently (a measurement
+        of this machine, say). Nothing by default."""
 
     def describe(self, opts) -> str:
         """How a benchmark table names this mode with these options."""

@@ -51,6 +51,12 @@ class Sequence:
             self.ctx.decode(self._batch)
             self.tokens.extend(chunk)
 
+    def decode_greedy(self, tokens: list[int]) -> list[int]:
+        """Decode ``tokens`` in one batch and return the greedy token after each of them
+        (read in C): a full greedy verification, or a teacher-forced pass."""
+        self.decode(tokens, all_outputs=True)
+        return [self.ctx.argmax(j) for j in range(len(tokens))]
+
     def argmax(self, i: int = -1) -> int:
         """Greedy token of output ``i`` of the last decode, without copying its logits."""
         return self.ctx.argmax(i)

@@ -149,14 +149,6 @@ MEASURE_VERSION = 6   # part of the cache key: a changed method measures again
 CONTEXTS = (128, 1024)
 
 
-def verify(seq, tokens: list[int]) -> None:
-    """A greedy verification as ``generate_spec`` runs it: one batch, every position's
-    argmax read in C (no logits copied)."""
-    seq.decode(tokens, all_outputs=True)
-    for j in range(len(tokens)):
-        seq.argmax(j)
-
-
 def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
                   repeats: int = 5) -> CostTable:
     """:func:`measure` at each context the caches can hold (fewer in a small context)."""
@@ -184,7 +176,7 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     tgt_seq.prefill(context)
     base_t = len(tgt_seq.tokens)
     for k in (1, N_MAX):  # warm-up
-        verify(tgt_seq, filler[:k])
+        tgt_seq.decode_greedy(filler[:k])   # as greedy verification reads it
         tgt_seq.rewind(base_t)
     plain = []
     for _ in range(repeats):
@@ -209,7 +201,7 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
             for t in filler[2:k]:
                 dft_seq.feed([t])
             t2 = clock()
-            verify(tgt_seq, filler[:k])
+            tgt_seq.decode_greedy(filler[:k])
             runs.append(clock() - t2)
             if k > 1:
                 first.append(t1 - t0)

@@ -149,8 +149,10 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
             free = context.plan(base_t + 1) if context is not None else []
             g_max = 0 if free else policy.plan()
         # 2. draft them, one at a time, while the policy keeps them
-        draft, q, conf = list(free), [one_hot(t, tgt) for t in free] if not greedy else \
-            [None] * len(free), []
+        draft, conf = list(free), []
+        # a free draft's tokens were "drawn" from one-hot distributions (the rejection rule's
+        # q); greedy verification reads no q
+        q = [None if greedy else one_hot(t, tgt) for t in free]
         with ph("draft"):
             if g_max > 0:
                 # catch the draft up on everything emitted since it last ran (one batch)

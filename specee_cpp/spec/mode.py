@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..engine.modes import Mode, register
+from ..engine.modes import Mode, no_status, register
 from ..engine.plain import PLAIN
 from ..engine.steps import with_note
 from ..errors import SpeceeError
@@ -172,6 +172,12 @@ class Spec(Mode):
         return lambda tokens: with_note(generate_spec(
             llm.tgt.seq, dft, tokens, policy, sampling,
             context=ContextSource(costs) if with_context else None), note)
+
+    def prepare(self, llm, opts, status=no_status) -> None:
+        if needs_costs(llm, opts):
+            with status("reading this machine's draft/verify costs (first time: about a "
+                        "minute, then cached)"):
+                cost_model(llm)
 
     def _plain(self, llm, sampling, note: str):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""

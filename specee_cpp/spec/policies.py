@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import MAX_GAMMA
+from ..errors import SpeceeError
+from .acceptance import AcceptanceModel, round_stats
 from .cost import CostModel, CostTable, as_table
 
 # cost-aware policies re-read their costs when the cache crosses a multiple of this
 CONTEXT_STEP = 64
-from ..errors import SpeceeError
-from .acceptance import AcceptanceModel, round_stats
 
 
 class DraftPolicy:
@@ -173,7 +173,31 @@ class SpecKVObjective(_RoundModelPolicy):
         return int(self.gammas[np.argmax(rates * self.gammas + 1)])
 
 
-class CostAwareGamma(_RoundModelPolicy):
+class _ReadsCosts:
+    """The cost-aware policies' costs: the machine's table, read at the cache's current
+    length whenever it crosses a multiple of ``CONTEXT_STEP`` tokens. ``_read`` derives
+    what a policy needs from one CostModel; ``g_max`` is its longest draft."""
+
+    def _use_costs(self, costs: CostModel | CostTable, g_max: int) -> None:
+        self.table, self.g_max = as_table(costs), g_max
+        self.plan_is_plain = not self.table.drafting_can_pay(g_max)
+        self._bucket = None
+        self._read(self.table.points[0])
+        self.guard = Guard(1.0 / self.costs.plain)
+
+    def _read(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.can_pay = costs.drafting_can_pay(self.g_max)
+
+    def at_context(self, n_tokens: int) -> None:
+        bucket = n_tokens // CONTEXT_STEP
+        if bucket != self._bucket and len(self.table.points) > 1:
+            self._bucket = bucket
+            self._read(self.table.at(n_tokens))
+            self.guard.plain_prior = 1.0 / self.costs.plain
+
+
+class CostAwareGamma(_ReadsCosts, _RoundModelPolicy):
     """Ours: the gamma (0 included) maximising expected tokens per second,
     (1 + rate(g) * g) / (g * draft_cost + verify_cost(g + 1)).
 
@@ -189,26 +213,14 @@ class CostAwareGamma(_RoundModelPolicy):
     def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
                  gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16):
         super().__init__(model, bpw, gammas)
-        self.table = as_table(costs)
         self.explore_every = explore_every
-        self.plan_is_plain = not self.table.drafting_can_pay(int(self.gammas.max()))
         self.n_plain = 0
-        self._bucket = None
-        self._read(self.table.points[0])
-        self.guard = Guard(self.plain_tps)
+        self._use_costs(costs, int(self.gammas.max()))
 
     def _read(self, costs: CostModel) -> None:
-        self.costs = costs
+        super()._read(costs)
         self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in self.gammas])
         self.plain_tps = 1.0 / costs.plain
-        self.can_pay = costs.drafting_can_pay(int(self.gammas.max()))
-
-    def at_context(self, n_tokens: int) -> None:
-        bucket = n_tokens // CONTEXT_STEP
-        if bucket != self._bucket and len(self.table.points) > 1:
-            self._bucket = bucket
-            self._read(self.table.at(n_tokens))
-            self.guard.plain_prior = self.plain_tps
 
     def plan(self) -> int:
         if not self.can_pay:
@@ -225,7 +237,7 @@ class CostAwareGamma(_RoundModelPolicy):
         return 0
 
 
-class CostAwareStop(DraftPolicy):
+class CostAwareStop(_ReadsCosts, DraftPolicy):
     """Ours, per token: after each drafted token, keep it while the round's expected tokens
     per second still rise, using the token model's acceptance probability.
 
@@ -240,22 +252,7 @@ class CostAwareStop(DraftPolicy):
     def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
                  n_max: int = MAX_GAMMA):
         self.model, self.bpw, self.n_max = model, bpw, n_max
-        self.table = as_table(costs)
-        self.plan_is_plain = not self.table.drafting_can_pay(n_max)
-        self._bucket = None
-        self._read(self.table.points[0])
-        self.guard = Guard(1.0 / self.costs.plain)
-
-    def _read(self, costs: CostModel) -> None:
-        self.costs = costs
-        self.can_pay = costs.drafting_can_pay(self.n_max)
-
-    def at_context(self, n_tokens: int) -> None:
-        bucket = n_tokens // CONTEXT_STEP
-        if bucket != self._bucket and len(self.table.points) > 1:
-            self._bucket = bucket
-            self._read(self.table.at(n_tokens))
-            self.guard.plain_prior = 1.0 / self.costs.plain
+        self._use_costs(costs, n_max)
 
     def plan(self) -> int:
         if not self.can_pay:

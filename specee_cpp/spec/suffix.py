@@ -69,12 +69,10 @@ class SuffixTrie:
                 return node, n
         return 0, 0
 
-    def propose(self, n_max: int, min_match: int = 2, min_prob: float = 0.3,
-                extra: list[int] | None = None) -> Proposal:
-        """Up to ``n_max`` tokens likely to follow the context (plus ``extra``, tokens not in
-        the trie yet: the round's last token); empty when no suffix of ``min_match``
-        tokens occurred before."""
-        ctx = self.tokens[-(self.depth - 1):] + list(extra or [])
+    def propose(self, n_max: int, min_match: int = 2, min_prob: float = 0.3) -> Proposal:
+        """Up to ``n_max`` tokens likely to follow the context; empty when no suffix of
+        ``min_match`` tokens occurred before."""
+        ctx = self.tokens[-(self.depth - 1):]
         out: list[int] = []
         probs: list[float] = []
         first_match = 0
