@@ -64,7 +64,7 @@ def ensure_packages(py: Path) -> None:
     # The patched wheel first, so that the package's llama-cpp-python==0.3.36 pin is met by it
     # instead of pip fetching and building the stock sdist.
     run(pip + ["--force-reinstall", "--no-deps", wheel])
-    run(pip + [wheel, "-e", f"{REPO}[test]"])
+    run(pip + [wheel, "-e", f"{REPO}[server,test]"])
     stamp.write_text(stamp_src.hexdigest())
 
 

@@ -238,6 +238,71 @@ def chat(
 
 
 @app.command()
+def serve(
+    model: Optional[str] = typer.Argument(
+        None, help="Registry name or .gguf path (default: the registry's default pair)."),
+    draft: Optional[str] = OptDraft,
+    host: str = typer.Option("127.0.0.1", "--host",
+                             help="Address to listen on (default: this machine only)."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free port)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="SPECEE_CPP_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every route."),
+    max_queue: int = typer.Option(16, "--max-queue",
+                                  help="Requests that may wait; past it the answer is 429."),
+    temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
+    seed: int = OptSeed,
+    n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
+    mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
+    threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
+    gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
+    context: Optional[bool] = OptContext,
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models,
+    /health). Sampling flags and the mode are defaults that a request may override."""
+    import socket
+
+    try:
+        import uvicorn
+
+        from .server.app import ServeConfig, create_app
+    except ImportError as e:
+        raise SpeceeError(f"specee-cpp serve needs the server extra ({e.name} is missing): "
+                          f"pip install 'specee-cpp[server]'") from None
+    from .engine.llm import LLM
+
+    if model is None:
+        target, dft = load_registry().pair("default")
+        model, draft = target.name, draft or dft.name
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
+                            provider=provider,
+                            predictors=predictors, threshold=threshold, rule=exit_rule)
+    # bound before loading, so a taken port is one line now, not after a minute of loading
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise SpeceeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
+        llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
+    with llm:
+        m.prepare(llm, opts, status=err.status)
+        cfg = ServeConfig(model_name=Path(model).stem if model.endswith(".gguf") else model,
+                          mode=m, options=opts, sampling=sampling, api_key=api_key,
+                          max_queue=max_queue)
+        server = uvicorn.Server(uvicorn.Config(create_app(llm, cfg), log_level="warning",
+                                               timeout_graceful_shutdown=5))
+        bound = sock.getsockname()
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: "
+                      f"anyone who can reach this machine can use the model")
+        # one line on stdout with the address (scripts and tests read it; port 0 picks one)
+        print(f"specee-cpp serving {cfg.model_name} (mode {m.name}) on "
+              f"http://{bound[0]}:{bound[1]}/v1", flush=True)
+        server.run(sockets=[sock])
+
+
+@app.command()
 def calibrate(
     model: str = typer.Argument(..., help="Target: registry name or .gguf path."),
     prompts: Path = typer.Option(DEV_PROMPTS, "--prompts",

@@ -13,7 +13,7 @@ PKG = Path(specee_cpp.__file__).parent
 # so neither may import the other)
 RANK = {"errors": 0, "config": 1, "paths": 1, "records": 1, "mlp": 1, "models": 2,
         "bindings": 3, "provenance": 4, "engine": 5, "probe": 5, "spec": 6, "ee": 6,
-        "bench": 7, "doctor": 7, "cli": 8, "__init__": 9}
+        "bench": 7, "server": 7, "doctor": 7, "cli": 8, "__init__": 9}
 
 
 def unit(path: Path, root: Path = PKG) -> str:

@@ -42,6 +42,15 @@ def check_same_tokenizer(target: Path, draft: Path) -> None:
             f"{t.tokenizer_fingerprint})")
 
 
+def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
+    """Raise unless a prompt and its longest reply fit the context, saying by how much not."""
+    over = n_prompt + max_tokens - n_ctx
+    if over > 0:
+        raise ContextOverflowError(
+            f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceed the context of "
+            f"{n_ctx} by {over} tokens; use a larger --n-ctx or fewer tokens")
+
+
 class _Loaded:
     """A model with its context and cached sequence."""
 
@@ -131,6 +140,11 @@ class LLM:
         return self.model.tokenize(self.prompt_text(prompt), add_special=False,
                                    parse_special=True)
 
+    @property
+    def n_ctx(self) -> int:
+        """Tokens the target's context holds: prompt and reply together."""
+        return self.tgt.ctx.n_ctx
+
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         """What a mode derives from this LLM's models once (a predictor bundle, a cost
         model), kept as long as the LLM: ``make()`` runs on the first call with ``key``."""
@@ -145,11 +159,13 @@ class LLM:
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
                chat: bool = True, mode: str | Mode = "plain", options: Any = None,
-               **mode_options: Any) -> Iterator[Step]:
+               ignore_eos: bool = False, **mode_options: Any) -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
         carries ``finish_reason`` and ``stats``. ``mode``: a registered mode's name (plain,
         spec, ee, ...) or object; its options either as ``options`` (the mode's Options
-        dataclass) or as keywords, e.g. ``mode="spec", gamma=4``."""
+        dataclass) or as keywords, e.g. ``mode="spec", gamma=4``. ``ignore_eos``: run to
+        ``max_tokens`` past end-of-generation tokens (fixed-length load tests, as llama.cpp's
+        server offers)."""
         m = modes.get(mode) if isinstance(mode, str) else mode
         if options is not None and mode_options:
             raise SpeceeError("pass the mode's options either as options= or as keywords, "
@@ -164,11 +180,9 @@ class LLM:
             raise SpeceeError(f"mode {m.name} needs a draft model (--draft)")
         start = m.start(self, sampling, opts)   # fails here, before any decoding
         tokens = self.prompt_tokens(prompt, chat=chat)
-        if len(tokens) + max_tokens > self.tgt.ctx.n_ctx:
-            raise ContextOverflowError(
-                f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceed the context "
-                f"of {self.tgt.ctx.n_ctx}; use a larger --n-ctx or fewer tokens")
-        return stream(start(tokens), piece=self.model.token_to_piece, is_eog=self.model.is_eog,
+        check_fits(len(tokens), max_tokens, self.n_ctx)
+        is_eog = (lambda t: False) if ignore_eos else self.model.is_eog
+        return stream(start(tokens), piece=self.model.token_to_piece, is_eog=is_eog,
                       max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop))
 
     def generate(self, prompt: Prompt, **kw) -> Result:

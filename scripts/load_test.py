@@ -1,0 +1,165 @@
+"""Load figure for `specee-cpp serve`: N concurrent OpenAI clients for a fixed time, local only.
+
+Starts the server (a free local port), lets each client send streamed chat requests with dev
+prompts back to back until the time is up (requests already sent are waited for), and reports
+requests completed, refused and lost, latency and time to first token (p50/p95), and the
+server's own counters. ``--write`` puts the table, with the command that made it, into
+docs/BENCHMARKS.md.
+
+    python scripts/load_test.py --clients 4 --seconds 60 --write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "specee_cpp.cli", "serve", "--port", "0",
+           "--max-queue", str(max(args.clients, 1) * 2)]
+    if args.model:
+        cmd.insert(4, args.model)
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    if args.mode:
+        cmd += ["--mode", args.mode]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = p.stdout.readline()
+    if "http://" not in line:
+        p.kill()
+        sys.exit(f"error: the server did not start ({line.strip() or 'no output'})")
+    return p, line.split()[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", help="default: the registry's default pair")
+    ap.add_argument("--draft")
+    ap.add_argument("--mode")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--write", action="store_true", help="write the table to docs/BENCHMARKS.md")
+    args = ap.parse_args()
+    if not 1 <= args.clients <= 32 or not 1 <= args.seconds <= 600:
+        sys.exit("error: --clients must be 1..32 and --seconds 1..600 (a local, bounded test)")
+
+    import openai
+
+    from specee_cpp.bench.prompts import DEV_PROMPTS
+    from specee_cpp.config import default_threads
+    from specee_cpp.provenance import describe, machine
+    from specee_cpp.records import records
+
+    prompts = [r["turns"][0] for r in records(DEV_PROMPTS)]
+    server, url = start_server(args)
+    results: list[dict] = []
+    lock = threading.Lock()
+    try:
+        deadline = time.monotonic() + args.seconds
+
+        def client_loop(i: int) -> None:
+            c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+            k = i
+            while time.monotonic() < deadline:
+                prompt = prompts[k % len(prompts)][:1500]   # keep prompts short: a chat turn
+                k += args.clients
+                t0 = time.perf_counter()
+                rec = {"client": i, "ok": False, "status": None, "ttft": None, "tokens": 0}
+                try:
+                    stream = c.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": prompt}],
+                        max_tokens=args.max_tokens, temperature=0, stream=True,
+                        stream_options={"include_usage": True})
+                    for chunk in stream:
+                        if rec["ttft"] is None and chunk.choices and chunk.choices[0].delta.content:
+                            rec["ttft"] = time.perf_counter() - t0
+                        if chunk.usage is not None:
+                            rec["tokens"] = chunk.usage.completion_tokens
+                    rec["ok"] = True
+                except openai.APIStatusError as e:
+                    rec["status"] = e.status_code
+                except openai.APIError as e:
+                    rec["status"] = type(e).__name__
+                rec["latency"] = time.perf_counter() - t0
+                with lock:
+                    results.append(rec)
+
+        t_start = time.perf_counter()
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t_start
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
+            health = json.loads(r.read())
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+    ok = [r for r in results if r["ok"]]
+    refused = [r for r in results if r["status"] == 429]
+    lost = len(results) - len(ok) - len(refused)
+    lat = [r["latency"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    summary = {
+        "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
+        "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,
+        "wall_s": round(wall, 1), "requests_per_s": round(len(ok) / wall, 3),
+        "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
+        "latency_p50_s": round(percentile(lat, 0.5), 2), "latency_p95_s": round(percentile(lat, 0.95), 2),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 2), "ttft_p95_s": round(percentile(ttft, 0.95), 2),
+        "mean_tokens": round(statistics.mean([r["tokens"] for r in ok]), 1) if ok else 0,
+        "server": health, "machine": describe(machine(default_threads())),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.write:
+        from _report import write_section
+
+        cmd = "python scripts/load_test.py " + " ".join(sys.argv[1:])
+        s = summary
+        body = (f"Command: `{cmd}`\n\n"
+                f"Machine: {s['machine']}. Server: `specee-cpp serve` on "
+                f"{health['model']} (mode {health['mode']}), one request at a time from a "
+                f"bounded queue; {s['clients']} clients each send streamed chat requests "
+                f"(Spec-Bench dev prompts, greedy, max_tokens {s['max_tokens']}) back to back "
+                f"for {s['seconds']:.0f} s; requests already sent are waited for.\n\n"
+                "| clients | sent | completed | refused (429) | lost | req/s | tokens/s "
+                "| latency p50 / p95 | first token p50 / p95 |\n"
+                "|---|---|---|---|---|---|---|---|---|\n"
+                f"| {s['clients']} | {s['sent']} | {s['completed']} | {s['refused_429']} | "
+                f"{s['lost']} | {s['requests_per_s']} | {s['tokens_per_s']} | "
+                f"{s['latency_p50_s']} / {s['latency_p95_s']} s | "
+                f"{s['ttft_p50_s']} / {s['ttft_p95_s']} s |\n\n"
+                f"Server counters after the run: served {health['served']}, failed "
+                f"{health['failed']}, cancelled {health['cancelled']}, refused "
+                f"{health['refused']}. Latency includes the wait in the queue: with one "
+                f"request at a time it grows with the number of clients (about clients x one "
+                f"request's time); tokens/s is generated tokens over the wall time, which also pays "
+                f"for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
+        write_section("Server under load (`specee-cpp serve`, concurrent clients)", body)
+    if lost:
+        sys.exit(f"error: {lost} requests lost")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP app: routes, errors, authentication, server-sent events.
+
+Handlers validate everything that can be refused (body, mode, sampling, context) before a
+job is queued, then wait for the job's first step before answering, so a request that
+fails to start gets a status code, not a broken stream. Errors are OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, always one line, never a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields, replace
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import SamplingConfig
+from ..engine import modes
+from ..engine.llm import LLM, check_fits
+from ..engine.modes import Mode
+from ..engine.steps import Stats, Step, Transcript
+from ..errors import SpeceeError
+from ..spec.mode import parse_gamma
+from .schema import ChatRequest, CompletionRequest, Extra
+from .worker import END, Job, QueueFull, Worker
+
+DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
+POLL_S = 0.25                      # how often a waiting handler checks for a gone client
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server runs when a request does not say: the ``serve`` command's flags."""
+
+    model_name: str
+    mode: Mode
+    options: Any
+    sampling: SamplingConfig = SamplingConfig()
+    api_key: str | None = None
+    max_queue: int = 16
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error(status: int, message: str, **kw) -> JSONResponse:
+    headers = kw.pop("headers", None)
+    return JSONResponse(error_body(message, **kw), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming the first offending field (FastAPI lists them all, nested)."""
+    e = exc.errors()[0]
+    if e.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}", None
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    # a union's member type name (e.g. "str") is not part of the field's path
+    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "float", "bool",
+                                               "function-", "TextPart"))]
+    field = ".".join(loc) or None
+    msg = e["msg"].removeprefix("Value error, ")
+    if field:
+        return f"{field}: {msg} (got {e.get('input')!r})", field
+    return msg, None
+
+
+def specee_stats(mode: Mode, stats: Stats | None) -> dict:
+    """Our statistics, in a field standard clients ignore."""
+    if stats is None:
+        return {"mode": mode.name}
+    n_exit = sum(stats.exit_layers.values())
+    return {"mode": mode.name, "n_drafted": stats.n_drafted, "n_accept": stats.n_accept,
+            "acceptance": stats.acceptance,
+            "exit_ratio": round(n_exit / stats.n_gen, 4) if stats.n_gen else 0.0,
+            "decode_tps": round(stats.decode_tps, 3), "prefill_tps": round(stats.prefill_tps, 3),
+            "note": stats.note}
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
+    """The app serving ``llm``; one worker thread runs its requests in arrival order."""
+    worker = Worker(llm, max_queue=cfg.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(worker.close)   # stops the running job; the thread ends
+
+    app = FastAPI(title="specee-cpp", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.worker = worker
+
+    # ---- errors ---------------------------------------------------------------------------
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), kind="not_found_error"
+                     if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(QueueFull)
+    async def _full(request: Request, exc: QueueFull):
+        return error(429, str(exc), kind="rate_limit_error",
+                     headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(SpeceeError)
+    async def _refused(request: Request, exc: SpeceeError):
+        return error(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+    # ---- authentication: every route, when a key is set -----------------------------------
+
+    if cfg.api_key:
+        expected = f"Bearer {cfg.api_key}".encode()
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                             kind="authentication_error", code="invalid_api_key")
+            return await call_next(request)
+
+    # ---- routes ---------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        c = worker.counters
+        return {"status": "ok", "model": cfg.model_name, "mode": cfg.mode.name,
+                "busy": worker.busy, "waiting": worker.waiting, "max_queue": worker.max_queue,
+                "served": c.served, "failed": c.failed, "cancelled": c.cancelled,
+                "refused": c.refused, "last_cancel": c.last_cancel}
+
+    @app.get("/v1/models")
+    async def list_models():
+        entry = {"id": cfg.model_name, "object": "model", "created": _created(llm),
+                 "owned_by": "specee-cpp",
+                 "specee": {"path": str(llm.model.path), "mode": cfg.mode.name,
+                            "draft": str(llm.draft_path) if llm.draft_path else None}}
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.text()} for m in body.messages]
+        return await _serve(body, request, messages, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(body, request, body.text(), chat=False)
+
+    # ---- the shared path ------------------------------------------------------------------
+
+    def _job(body, prompt, chat: bool) -> Job:
+        mode, options = _mode_of(body.specee)
+        base = cfg.sampling
+        sampling = SamplingConfig(
+            temperature=base.temperature if body.temperature is None else body.temperature,
+            top_k=base.top_k if body.top_k is None else body.top_k,
+            top_p=base.top_p if body.top_p is None else body.top_p,
+            seed=base.seed if body.seed is None else body.seed)
+        n_prompt = len(llm.prompt_tokens(prompt, chat=chat))
+        limit = body.limit()
+        if limit is None:   # chat: up to the context's end; completions: OpenAI's 16
+            limit = max(llm.n_ctx - n_prompt, 1) if chat else DEFAULT_COMPLETION_TOKENS
+        check_fits(n_prompt, limit, llm.n_ctx)
+        return Job(prompt=prompt, chat=chat, max_tokens=limit, sampling=sampling,
+                   stops=body.stops(), mode=mode, options=options,
+                   ignore_eos=bool(body.specee and body.specee.ignore_eos))
+
+    def _mode_of(extra: Extra | None) -> tuple[Mode, Any]:
+        if extra is None or (extra.mode is None and extra.gamma is None):
+            return cfg.mode, cfg.options
+        mode = modes.get(extra.mode) if extra.mode else cfg.mode
+        if mode.needs_draft and llm.draft_path is None:
+            raise SpeceeError(f"specee.mode {mode.name} needs a draft model; start the server "
+                              f"with --draft")
+        options = cfg.options if mode is cfg.mode else mode.options()
+        if extra.gamma is not None:
+            if "gamma" not in {f.name for f in fields(options)}:
+                raise SpeceeError(f"specee.gamma applies to mode spec, not {mode.name}")
+            options = replace(options, gamma=parse_gamma(str(extra.gamma)))
+        return mode, options
+
+    async def _serve(body, request: Request, prompt, chat: bool):
+        job = _job(body, prompt, chat)
+        worker.submit(job)
+        getter: asyncio.Task | None = None
+
+        async def next_item(poll: bool = True):
+            """The job's next item; while waiting, a client that left cancels the job."""
+            nonlocal getter
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({getter}, timeout=POLL_S if poll else None)
+                if done:
+                    item, getter = getter.result(), None
+                    return item
+                if await request.is_disconnected():
+                    job.stop()
+                    raise ClientGone
+
+        try:
+            first = await next_item()
+        except ClientGone:
+            return error(499, "client closed the request")
+        if first is END:
+            return error(503, "the request was cancelled before it started", kind="server_error")
+        if isinstance(first, Exception):
+            await _drain(job)
+            raise first
+        ids = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+               "created": int(time.time()), "model": cfg.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(
+                _sse(job, first, ids, chat, include_usage), ping=15,
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        done = Transcript()
+        item = first
+        try:
+            while item is not END:
+                if isinstance(item, Exception):
+                    raise item
+                done.add(item)
+                item = await next_item()
+        except ClientGone:
+            return error(499, "client closed the request")
+        return _response(done, job, ids, chat)
+
+    async def _sse(job: Job, first: Step, ids: dict, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        finished = False
+
+        def chunk(text: str | None, reason: str | None = None, role: bool = False,
+                  **extra) -> str:
+            if chat:
+                delta = ({"role": "assistant"} if role else {}) | \
+                        ({"content": text} if text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None,
+                          "finish_reason": reason}
+            return json.dumps({**ids, "object": obj, "choices": [choice], **extra})
+
+        try:
+            if chat:
+                yield chunk("", role=True)
+            item, stats = first, None
+            while item is not END:
+                if isinstance(item, Exception):   # failed mid-way: say so in the stream
+                    yield json.dumps(error_body(str(item), kind="server_error"))
+                    break
+                if item.text:
+                    yield chunk(item.text)
+                if item.finish_reason is not None:
+                    stats = item.stats
+                    yield chunk(None if chat else "", reason=_finish(item.finish_reason),
+                                specee=specee_stats(job.mode, stats))
+                item = await job.events.get()
+            finished = True
+            if include_usage and stats is not None:
+                yield json.dumps({**ids, "object": obj, "choices": [], "usage": _usage(stats)})
+            yield "[DONE]"
+        finally:
+            if not finished:
+                job.stop()     # the client left: the worker decodes no further token
+
+    def _response(done: Transcript, job: Job, ids: dict, chat: bool) -> dict:
+        stats = done.stats
+        reason = _finish(stats.finish_reason if stats else "length")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
+        return {**ids, "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice], "usage": _usage(stats),
+                "specee": specee_stats(job.mode, stats)}
+
+    return app
+
+
+def _usage(stats: Stats | None) -> dict:
+    p, c = (stats.n_prompt, stats.n_gen) if stats else (0, 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _created(llm: LLM) -> int:
+    try:
+        return int(llm.model.path.stat().st_mtime)
+    except OSError:
+        return 0
+
+
+async def _drain(job: Job) -> None:
+    """Wait for a failed job's END, so its slot is free when the error is answered."""
+    while await job.events.get() is not END:
+        pass

@@ -1,0 +1,286 @@
+"""`specee-cpp serve` as its users reach it: the real `openai` client against a server started
+by the CLI on a free local port with the small model (and itself as draft, so `spec` can be
+asked for per request). Greedy answers must equal the CLI's; misuse gets 4xx, never 500."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")   # the [server] and [test] extras install it
+
+pytestmark = pytest.mark.model
+
+CLI = [sys.executable, "-m", "specee_cpp.cli"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+KEY = "test-key"
+N_CTX = 1024
+PROMPT = "Write one sentence about the sea."
+
+
+@pytest.fixture(scope="module")
+def server(small_model):
+    """The server, on a port the OS picks (read from its first line of stdout)."""
+    p = subprocess.Popen(CLI + ["serve", str(small_model), "--draft", str(small_model),
+                                "--mode", "plain", "--port", "0", "--api-key", KEY,
+                                "--max-queue", "1", "--n-ctx", str(N_CTX), "--threads", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout=120)
+    if not line or "http://" not in line[0]:
+        p.kill()
+        pytest.fail(f"server did not start: {line} {p.stderr.read()}")
+    url = line[0].split()[-1]          # http://127.0.0.1:PORT/v1
+    yield url
+    p.terminate()
+    try:
+        _, stderr = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("server did not stop within 30 s of SIGTERM")
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    # no retries: a 429 must reach the test, not be retried away
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+
+
+def http(server, path, body=None, key=KEY, raw: bytes | None = None):
+    """(status, headers, JSON) of one request, without the openai client's own checks."""
+    url = server.removesuffix("/v1") + path
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def health(server) -> dict:
+    return http(server, "/health")[2]
+
+
+def wait_for(server, check, timeout=20.0) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        h = health(server)
+        if check(h):
+            return h
+        time.sleep(0.05)
+    pytest.fail(f"server state never matched: {health(server)}")
+
+
+def cli_greedy(model, prompt, n, raw=False) -> dict:
+    r = subprocess.run(CLI + ["generate", str(model), "-p", prompt, "-n", str(n), "--json",
+                              "--n-ctx", str(N_CTX), "--threads", "2"] + (["--raw"] if raw else []),
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def streamed(chunks) -> tuple[str, str | None, dict | None]:
+    text, reason, usage = [], None, None
+    for c in chunks:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            piece = ch.delta.content if hasattr(ch, "delta") else ch.text
+            text.append(piece or "")
+            reason = ch.finish_reason or reason
+    return "".join(text), reason, usage
+
+
+def test_chat_equals_cli_greedy_streaming_and_not(client, small_model):
+    want = cli_greedy(small_model, PROMPT, 32)
+    r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=32,
+                                       messages=[{"role": "user", "content": PROMPT}])
+    assert r.choices[0].message.content == want["text"]
+    assert r.choices[0].finish_reason == ("length" if want["stats"]["finish_reason"] == "length"
+                                          else "stop")
+    assert r.usage.completion_tokens == want["stats"]["n_gen"]
+    assert r.usage.prompt_tokens == want["stats"]["n_prompt"]
+    assert r.model_extra["specee"]["mode"] == "plain"
+    text, reason, usage = streamed(client.chat.completions.create(
+        model="smollm2-135m", temperature=0, max_tokens=32, stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": PROMPT}]))
+    assert text == want["text"] and reason == r.choices[0].finish_reason
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completion_equals_cli_raw(client, small_model):
+    want = cli_greedy(small_model, "def fibonacci(n):", 24, raw=True)
+    r = client.completions.create(model="x", prompt="def fibonacci(n):", max_tokens=24,
+                                  temperature=0)
+    assert r.choices[0].text == want["text"]
+    text, _, _ = streamed(client.completions.create(model="x", prompt="def fibonacci(n):",
+                                                    max_tokens=24, temperature=0, stream=True))
+    assert text == want["text"]
+
+
+def test_spec_per_request_is_lossless_and_reports_drafts(client):
+    msgs = [{"role": "user", "content": PROMPT}]
+    plain = client.chat.completions.create(model="m", messages=msgs, max_tokens=24,
+                                           temperature=0)
+    spec = client.chat.completions.create(model="m", messages=msgs, max_tokens=24,
+                                          temperature=0,
+                                          extra_body={"specee": {"mode": "spec", "gamma": 2}})
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    stats = spec.model_extra["specee"]
+    assert stats["mode"] == "spec" and stats["n_drafted"] > 0 and stats["n_accept"] > 0
+    assert plain.model_extra["specee"]["n_drafted"] == 0
+
+
+def test_sampling_is_seeded(client):
+    msgs = [{"role": "user", "content": PROMPT}]
+    a, b, c = (client.chat.completions.create(model="m", messages=msgs, max_tokens=16,
+                                              temperature=1.0, top_p=0.95, seed=s)
+               for s in (7, 7, 8))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    greedy = client.chat.completions.create(model="m", messages=msgs, max_tokens=16,
+                                            temperature=0)
+    # two other seeds (or greedy) all giving one text would mean sampling is ignored
+    assert len({x.choices[0].message.content for x in (a, c, greedy)}) > 1
+
+
+def test_stop_strings_cut_the_text(client):
+    msgs = [{"role": "user", "content": PROMPT}]
+    full = client.chat.completions.create(model="m", messages=msgs, max_tokens=32,
+                                          temperature=0).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = " " + words[3]
+    cut = full[:full.index(stop)]
+    for stream in (False, True):
+        r = client.chat.completions.create(model="m", messages=msgs, max_tokens=32,
+                                           temperature=0, stop=[stop, "NEVER-SEEN"],
+                                           stream=stream)
+        text, reason = (streamed(r)[:2] if stream
+                        else (r.choices[0].message.content, r.choices[0].finish_reason))
+        assert text == cut and reason == "stop"
+
+
+def test_disconnect_mid_stream_stops_within_one_token(client, server):
+    before = health(server)["cancelled"]
+    stream = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=800,
+        temperature=0, stream=True, extra_body={"specee": {"ignore_eos": True}})
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 3:
+            break
+    stream.close()
+    h = wait_for(server, lambda h: h["cancelled"] > before and not h["busy"])
+    assert h["last_cancel"]["steps_after_cancel"] <= 1, h
+    # the slot is free and the model state clean: a new request answers as before
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.content
+
+
+def test_queue_bound_answers_429_with_retry_after(client, server):
+    """--max-queue 1: one request runs, one waits, the third is refused."""
+    running = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=800,
+        temperature=0, stream=True, extra_body={"specee": {"ignore_eos": True}})
+    next(iter(running))                       # its first chunk: it runs
+    waited: dict = {}
+    t = threading.Thread(target=lambda: waited.update(r=client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)))
+    t.start()
+    wait_for(server, lambda h: h["waiting"] == 1)
+    status, headers, body = http(server, "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 4})
+    assert status == 429 and int(headers["Retry-After"]) >= 1, (status, headers, body)
+    assert body["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4)
+    running.close()                           # frees the slot: the waiting one is served
+    t.join(timeout=60)
+    assert waited["r"].choices[0].message.content
+
+
+@pytest.mark.parametrize("body, raw, status, words", [
+    (None, b'{"messages": [', 400, "not valid JSON"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, 400,
+     "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, None, 400,
+     "max_tokens"),
+    ({"messages": "hi"}, None, 400, "messages"),
+    ({}, None, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": N_CTX}, None, 400,
+     f"exceed the context of {N_CTX} by"),
+    ({"messages": [{"role": "user", "content": "hi"}], "specee": {"gama": 3}}, None, 400,
+     "specee.gama"),
+    ({"messages": [{"role": "user", "content": "hi"}], "specee": {"mode": "fast"}}, None, 400,
+     "unknown mode 'fast'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "specee": {"mode": "spec",
+                                                                 "gamma": "often"}}, None, 400,
+     "gamma"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, None, 400, "n=3"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, None, 400, "seed"),
+])
+def test_bad_requests_are_4xx_naming_the_field(server, body, raw, status, words):
+    got, _, answer = http(server, "/v1/chat/completions", body, raw=raw)
+    assert got == status, answer
+    assert words in answer["error"]["message"], answer
+    assert "Traceback" not in answer["error"]["message"]
+
+
+def test_unknown_fields_are_ignored_and_models_listed(client, server, small_model):
+    status, _, answer = http(server, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "user": "someone", "parallel_tool_calls": False})
+    assert status == 200, answer
+    # served by path: the id is the file's name without .gguf
+    assert [m.id for m in client.models.list().data] == [small_model.stem]
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models"])
+def test_api_key_is_checked_on_every_route(server, path):
+    for key in (None, "wrong"):
+        status, _, answer = http(server, path, key=key)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert http(server, path)[0] == 200
+    bad = openai.OpenAI(base_url=server, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_taken_port_is_one_line(server, small_model):
+    port = server.rsplit(":", 1)[1].split("/")[0]
+    r = subprocess.run(CLI + ["serve", str(small_model), "--port", port], capture_output=True,
+                       text=True, timeout=60, env=ENV)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+def test_load_script_loses_nothing(small_model):
+    """scripts/load_test.py, briefly: every request sent is answered."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
+    r = subprocess.run([sys.executable, str(script), str(small_model), "--clients", "2",
+                        "--seconds", "3", "--max-tokens", "8"],
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["sent"] >= 2 and s["completed"] == s["sent"] and s["lost"] == 0, s
+    assert s["server"]["served"] == s["sent"]
