@@ -524,6 +524,12 @@ def bench(
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="New tokens per prompt."),
     max_prompt_tokens: int = typer.Option(0, "--max-prompt-tokens",
                                           help="Cut longer user messages in the middle (0: never)."),
+    turns: int = typer.Option(1, "--turns",
+                              help="Multi-turn records: also measure turns 2..N, each in its "
+                                   "conversation (earlier turns answered by the model), "
+                                   "reported as '<category> turn N'."),
+    categories: str = typer.Option("", "--categories",
+                                   help="Only these categories, comma-separated (e.g. mt_bench)."),
     exclude_calibration: int = typer.Option(
         64, "--exclude-calibration",
         help="Skip the prompts `calibrate --n-prompts N` fits on (0: keep all)."),
@@ -550,7 +556,8 @@ def bench(
         raise SpeceeError("name the target model (registry name or .gguf path)")
     opts = BenchOptions(model=model, draft=draft, prompts=prompts, configs=configs,
                         per_category=per_category, max_tokens=max_tokens,
-                        max_prompt_tokens=max_prompt_tokens, exclude_calibration=exclude_calibration, out=out_prefix,
+                        max_prompt_tokens=max_prompt_tokens, turns=turns, categories=categories,
+                        exclude_calibration=exclude_calibration, out=out_prefix,
                         threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh)
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),

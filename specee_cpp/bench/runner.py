@@ -24,6 +24,9 @@ from .prompts import BenchPrompt, edited_program
 from .record import Record
 
 Progress = Callable[[int, int, str], None]   # (measured so far, total, what is next)
+# the model's answer to an earlier turn of a multi-turn prompt: long enough to be a whole
+# answer (what a "rewrite your previous response" turn works on), by plain greedy decoding
+HISTORY_TOKENS = 256
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -60,6 +63,10 @@ class Runner:
         self.peers = peers
         self._pld: PromptLookupPeer | None = None
         self.pld_ctx = 512  # raised by run() to fit its longest prompt
+        # answers to earlier turns, by "<turn-1 id>:t<k>", kept next to the records so that a
+        # resumed run and every configuration see the same conversation
+        self.answers: dict[str, str] = {}
+        self.answers_path: Path | None = None
         for c in configs:
             if c.needs_draft and llm.draft_path is None:
                 raise SpeceeError(f"configuration {c.name} needs a draft model (--draft)")
@@ -70,18 +77,43 @@ class Runner:
         if self._pld is not None:
             self._pld.close()
 
+    def conversation(self, p: BenchPrompt) -> str | list[dict]:
+        """What the model is asked: the prompt's text, or for a later turn the conversation
+        so far, each earlier turn answered by the target's plain greedy decoding (the same
+        answer for every configuration: a lossless mode's own, and what the peers get
+        inlined in their prompt), then this turn."""
+        if not p.earlier:
+            return p.text
+        base = p.id.rsplit(":t", 1)[0]
+        messages: list[dict] = []
+        for k, user in enumerate(p.earlier, start=1):
+            messages.append({"role": "user", "content": user})
+            key = f"{base}:t{k}"
+            if key not in self.answers:
+                self.llm.reset()
+                self.answers[key] = self.llm.generate(list(messages), max_tokens=HISTORY_TOKENS,
+                                                      mode="plain").text
+                if self.answers_path is not None:
+                    tmp = self.answers_path.with_suffix(".tmp")
+                    tmp.write_text(json.dumps(self.answers, indent=0), encoding="utf-8")
+                    tmp.replace(self.answers_path)
+            messages.append({"role": "assistant", "content": self.answers[key]})
+        messages.append({"role": "user", "content": p.text})
+        return messages
+
     def measure(self, c: BenchConfig, p: BenchPrompt) -> dict:
         """Run configuration ``c`` on prompt ``p`` from an empty cache: a record's fields
         (see record.Record) but its prompt's and the machine's."""
         llm = self.llm
+        prompt = self.conversation(p)
         if c.kind == "ours":
             llm.reset()  # every configuration pays its own prefill
-            res = llm.generate(p.text, chat=p.chat, stop=p.stop, max_tokens=self.max_tokens,
+            res = llm.generate(prompt, chat=p.chat, stop=p.stop, max_tokens=self.max_tokens,
                                mode=c.mode, options=c.mode_options)
             s = res.stats
             agree = None
             if c.mode == "plain" or not c.lossless:  # after the timed part
-                agree = agreement(llm, llm.prompt_tokens(p.text, chat=p.chat), res.tokens)
+                agree = agreement(llm, llm.prompt_tokens(prompt, chat=p.chat), res.tokens)
             return {"text": res.text, "n_prompt": s.n_prompt, "prefill_s": s.prefill_s,
                     "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": s.n_decode,
                     "n_drafted": s.n_drafted if c.mode == "spec" else None,
@@ -90,13 +122,13 @@ class Runner:
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
                     "control_s": s.timings.get("control", 0.0),
                     "finish_reason": s.finish_reason, "agreement": agree}
-        tokens = llm.prompt_tokens(p.text, chat=p.chat)
+        tokens = llm.prompt_tokens(prompt, chat=p.chat)
         if c.kind == "pld":
             if self._pld is None:
                 self._pld = PromptLookupPeer(llm.model.path, llm.config, self.pld_ctx)
             run = self._pld.run(tokens, self.max_tokens)
         else:
-            text = llm.prompt_text(p.text) if p.chat else p.text
+            text = llm.prompt_text(prompt) if p.chat else p.text
             run = self.peers.run(c, text, len(tokens), self.max_tokens)
         return peer_record(run, p)
 
@@ -104,13 +136,20 @@ class Runner:
             warmup: bool = True) -> list[Record]:
         """Measure every (prompt, configuration) not yet in ``out``; returns all records."""
         out = Path(out)
+        self.answers_path = out.with_suffix(".answers.json")
+        if self.answers_path.exists():
+            self.answers = json.loads(self.answers_path.read_text(encoding="utf-8"))
         records = load_records(out)
         done = {(r.prompt_id, r.config) for r in records}
         todo = [(p, c) for p in prompts for c in self.configs if (p.id, c.name) not in done]
         total = len(prompts) * len(self.configs)
-        pending = {p.id: p for p, _ in todo}.values()
-        longest = max((len(self.llm.prompt_tokens(p.text, chat=p.chat)) for p in pending),
-                      default=0)
+        pending = list({p.id: p for p, _ in todo}.values())
+        for p in (q for q in pending if q.earlier):
+            if progress:   # earlier turns answered before anything is timed
+                progress(total - len(todo), total, f"answering the earlier turns of {p.id}")
+            self.conversation(p)
+        longest = max((len(self.llm.prompt_tokens(self.conversation(p), chat=p.chat))
+                       for p in pending), default=0)
         self.pld_ctx = -(-(longest + self.max_tokens + 32) // 256) * 256
         if todo and warmup:
             # the first decode of a process pays for page faults and thread start-up

@@ -24,6 +24,8 @@ class BenchOptions:
     per_category: int = 3
     max_tokens: int = 64
     max_prompt_tokens: int = 0        # >0: cut longer user messages in the middle
+    turns: int = 1                    # multi-turn records: also their turns 2..turns
+    categories: str = ""              # comma-separated categories to keep ("": all)
     exclude_calibration: int = 64     # Spec-Bench files: skip spread(n, this) (fitting prompts)
     out: str = "bench/run"            # prefix of .jsonl (raw), .json, .md, .png
     threads: int = 0
@@ -52,7 +54,7 @@ class BenchOptions:
         """What makes records comparable: a resumed run must use the same, on the same
         machine and build (provenance.machine)."""
         keep = ("model", "draft", "prompts", "max_tokens", "max_prompt_tokens", "threads",
-                "gpu_layers")
+                "gpu_layers", "turns", "categories")
         out = {k: v for k, v in asdict(self).items() if k in keep}
         out["machine"] = machine(LoadConfig(n_threads=self.threads).threads)
         return out
@@ -60,7 +62,8 @@ class BenchOptions:
 
 _FLAGS = {"draft": "--draft", "prompts": "--prompts", "configs": "--configs",
           "per_category": "--per-category", "max_tokens": "--max-tokens",
-          "max_prompt_tokens": "--max-prompt-tokens",
+          "max_prompt_tokens": "--max-prompt-tokens", "turns": "--turns",
+          "categories": "--categories",
           "exclude_calibration": "--exclude-calibration", "out": "--out",
           "threads": "--threads", "gpu_layers": "--gpu-layers", "n_ctx": "--n-ctx",
           "fresh": "--fresh"}
@@ -72,6 +75,13 @@ def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
     if not opts.prompts.startswith(("humaneval:", "humaneval-edit:")) and opts.exclude_calibration:
         exclude = {p.id for p in prompts_mod.fitting_pool(all_p, opts.exclude_calibration)}
     chosen = prompts_mod.per_category(all_p, opts.per_category, exclude)
+    if opts.categories:
+        wanted = {c.strip() for c in opts.categories.split(",") if c.strip()}
+        unknown = wanted - {p.category for p in all_p}
+        if unknown:
+            raise SpeceeError(f"no category {sorted(unknown)[0]!r} in {opts.prompts} (its "
+                              f"categories: {', '.join(sorted({p.category for p in all_p}))})")
+        chosen = [p for p in chosen if p.category in wanted]
     if not chosen:
         raise SpeceeError(f"no prompts left in {opts.prompts} after excluding "
                           f"{len(exclude)} calibration prompts")
@@ -95,7 +105,7 @@ def shorten(prompt: prompts_mod.BenchPrompt, model, max_tokens: int) -> prompts_
 def _check_settings(raw: Path, opts: BenchOptions) -> None:
     meta = raw.with_suffix(".settings.json")
     if opts.fresh:
-        for p in (raw, meta):
+        for p in (raw, meta, raw.with_suffix(".answers.json")):
             p.unlink(missing_ok=True)
     if raw.exists() and meta.exists():
         old = json.loads(meta.read_text())
@@ -113,10 +123,12 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
     are summarized and written before the interrupt goes on."""
     from ..engine.llm import LLM
     from .peers import LlamaCppPeers, static_cache, tools_dir
-    from .runner import Runner, load_records
+    from .runner import HISTORY_TOKENS, Runner, load_records
 
     if opts.max_tokens < 1:
         raise SpeceeError(f"--max-tokens must be positive, got {opts.max_tokens}")
+    if opts.turns < 1:
+        raise SpeceeError(f"--turns must be at least 1, got {opts.turns}")
     command = opts.command(benchmarks_md, title)
     configs = configs_mod.select(opts.configs)
     chosen = select_prompts(opts)
@@ -126,7 +138,8 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
     where = opts.settings()["machine"]
     cfg = LoadConfig(n_ctx=opts.n_ctx, n_threads=opts.threads, n_gpu_layers=opts.gpu_layers)
     with LLM(opts.model, draft=opts.draft, config=cfg) as llm:
-        chosen = [shorten(p, llm.model, opts.max_prompt_tokens) for p in chosen]
+        chosen = prompts_mod.with_turns(
+            [shorten(p, llm.model, opts.max_prompt_tokens) for p in chosen], opts.turns)
         peers = None
         if any(c.kind == "llama.cpp" for c in configs):
             tools = tools_dir()
@@ -150,9 +163,12 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
             if summary["prompts"]:
                 cut = (f", user messages over {opts.max_prompt_tokens} tokens cut in the "
                        f"middle" if opts.max_prompt_tokens else "")
+                turns = (f", turns 2..{opts.turns} of multi-turn records through the chat path "
+                         f"(earlier turns answered by plain greedy decoding, "
+                         f"{HISTORY_TOKENS} tokens at most)" if opts.turns > 1 else "")
                 settings = (f"{Path(opts.prompts).name} ({opts.per_category or 'all'} per category"
                             f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
-                            f"{cut}), chat template for chat prompts, greedy, {opts.max_tokens} new "
+                            f"{cut}{turns}), chat template for chat prompts, greedy, {opts.max_tokens} new "
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "
                             f"by prompt, every configuration from an empty KV cache; measured on "
                             f"{describe(where)};")
