@@ -56,6 +56,7 @@ def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
 
 # command-line flag of each mode option (the options themselves are the modes' dataclasses)
 _MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--context",
+               "history": "--history",
                "provider": "--provider",
                "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule"}
 
@@ -107,6 +108,10 @@ OptGamma = typer.Option(None, "--gamma",
 OptContext = typer.Option(None, "--context/--no-context",
                           help="spec, gamma auto/stop: also draft for free from the context "
                                "where that pays (default: on).")
+OptHistory = typer.Option(None, "--history/--no-history",
+                          help="spec, gamma auto/stop: also draft from your earlier outputs, "
+                               "kept on this machine only ($SPECEE_CPP_HOME/history, bounded, "
+                               "safe to delete). Default: off.")
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
 OptProvider = typer.Option(None, "--provider", help="ee candidates: draft (default) or ngram.")
@@ -146,7 +151,7 @@ def generate(
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
-    context: Optional[bool] = OptContext,
+    context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
@@ -155,6 +160,7 @@ def generate(
 
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
+                            history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
@@ -186,7 +192,7 @@ def chat(
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
-    context: Optional[bool] = OptContext,
+    context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.llm import LLM
@@ -197,6 +203,7 @@ def chat(
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
+                            history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
@@ -256,7 +263,7 @@ def serve(
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
-    context: Optional[bool] = OptContext,
+    context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models,
     /health). Sampling flags and the mode are defaults that a request may override."""
@@ -276,6 +283,7 @@ def serve(
         model, draft = target.name, draft or dft.name
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
+                            history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
     # bound before loading, so a taken port is one line now, not after a minute of loading

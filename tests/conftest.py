@@ -1,6 +1,7 @@
 """Shared fixtures: tiny GGUFs (written per session) and the real small model (via pull)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,23 @@ def isolated_home(tmp_path_factory):
     mp.setenv("SPECEE_CPP_HOME", str(home))
     yield home
     mp.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpu_layers_for_tests():
+    """SPECEE_CPP_TEST_GPU_LAYERS=-1 (scripts/gpu_check.py on a GPU machine): every model a
+    test loads is offloaded, unless the test asks for a layer count itself."""
+    n = int(os.environ.get("SPECEE_CPP_TEST_GPU_LAYERS", "0") or 0)
+    if not n:
+        yield
+        return
+    from specee_cpp.bindings.llama import Model
+
+    init = Model.__init__
+    defaults = init.__defaults__
+    init.__defaults__ = (n,) + defaults[1:]
+    yield
+    init.__defaults__ = defaults
 
 
 @pytest.fixture(scope="session")

@@ -72,3 +72,86 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     st = steps[-1].stats
     assert got == plain.tokens
     assert st.n_drafted > 10 and st.n_accept > 0      # the context drafted, and was verified
+
+
+# ---- the opt-in history of earlier outputs ------------------------------------------------
+
+def test_history_store_is_bounded_and_survives_a_torn_file(tmp_path):
+    from specee_cpp.spec.history import History
+
+    h = History("fp", max_tokens=10, directory=tmp_path)
+    assert h.outputs() == [] and len(h.trie()) == 0
+    h.add([1, 2, 3])
+    h.add([])                                # nothing to keep
+    h.add([4, 5, 6, 7])
+    assert h.outputs() == [[1, 2, 3], [4, 5, 6, 7]]
+    h.add([8, 9, 10, 11, 12])                # 12 tokens > 10: the oldest output goes
+    assert h.outputs() == [[4, 5, 6, 7], [8, 9, 10, 11, 12]]
+    h.add(list(range(100, 130)))             # longer than the bound: its last 10 tokens
+    assert h.outputs() == [list(range(120, 130))]
+    assert not list(tmp_path.glob("*.tmp"))  # written under a temporary name, then renamed
+    # a write cut short (no final separator) loses only the torn output
+    with open(h.path, "ab") as f:
+        f.write(bytes([7, 0, 0, 0]))
+    assert h.outputs() == [list(range(120, 130))]
+    h.path.write_bytes(b"\x01\x02\x03")      # not whole int32s: treated as empty
+    assert h.outputs() == []
+
+
+def test_history_trie_has_no_substring_across_two_outputs(tmp_path):
+    from specee_cpp.spec.history import History
+
+    h = History("fp", directory=tmp_path)
+    h.add([1, 2, 3])
+    h.add([4, 5, 6])
+    t = h.trie(depth=4)
+    assert t._node([2, 3]) is not None and t._node([5, 6]) is not None
+    assert t._node([3, 4]) is None            # the boundary is cut
+    # a context ending in "1 2" is continued from the history
+    p = t.propose(4, ctx=[9, 9, 1, 2])
+    assert p.tokens == [3] and p.match == 2
+
+
+def test_context_source_prefers_the_longer_match_of_the_history():
+    hist = SuffixTrie(8)
+    hist.extend([10, 11, 12, 13, 14, 15, 16])
+    src = ContextSource(FLAT, history=hist)
+    src.extend([1, 2, 10, 11, 12])            # the context itself has no earlier match
+    assert src.plan(100) == [13, 14, 15, 16]
+    assert src._src == 1
+    src.update(4, 4)
+    assert src.beta[1][src._band][0] == 6.0 and src.beta[0] == [[2.0, 1.0]] * 3
+
+
+def test_spec_with_history_drafts_earlier_outputs_and_stays_lossless(small_model, tmp_path,
+                                                                     monkeypatch):
+    """A second session asking the same gets its earlier answer as free drafts (accepted),
+    with plain's greedy tokens; the store is under $SPECEE_CPP_HOME/history only."""
+    from specee_cpp.config import LoadConfig
+    from specee_cpp.engine.llm import LLM
+    from specee_cpp.errors import SpeceeError
+    from specee_cpp.spec.mode import SpecOptions, use_cost_model
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    prompt = "Write a short poem about a lighthouse keeper."
+    runs = []
+    for _ in range(2):   # two sessions: a fresh LLM each
+        with LLM(small_model, draft=small_model,
+                 config=LoadConfig(n_ctx=1024, n_threads=2)) as llm:
+            plain = llm.generate(prompt, max_tokens=48).tokens
+            llm.reset()
+            use_cost_model(llm, FLAT)
+            runs.append(llm.generate(prompt, max_tokens=48, mode="spec",
+                                     options=SpecOptions(history=True)))
+            assert runs[-1].tokens == plain
+    files = list((tmp_path / "history").glob("*.tokens"))
+    assert len(files) == 1
+    first, second = (r.stats for r in runs)
+    assert "earlier output tokens" in second.note
+    # the first answer, drafted for free and accepted (the context alone guessed poorly)
+    assert second.n_accept >= 20 and second.acceptance > 0.9
+    assert second.acceptance > first.acceptance + 0.3
+    with pytest.raises(SpeceeError, match="--history"):
+        SpecOptions(gamma=4, history=True)
+    with pytest.raises(SpeceeError, match="--no-context"):
+        SpecOptions(context=False, history=True)

@@ -10,7 +10,7 @@ import ctypes
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 4
+REQUIRED_PATCH_VERSION = 5
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -85,6 +85,9 @@ llama_specee_stage_layer = _bind("llama_specee_stage_layer", [_ctx_p], ctypes.c_
 # float * llama_specee_stage_hidden(struct llama_context * ctx);
 llama_specee_stage_hidden = _bind("llama_specee_stage_hidden", [_ctx_p],
                                   ctypes.POINTER(ctypes.c_float))
+
+# size_t llama_specee_stage_bytes(const struct llama_context * ctx);
+llama_specee_stage_bytes = _bind("llama_specee_stage_bytes", [_ctx_p], ctypes.c_size_t)
 
 PATCH_VERSION = llama_specee_patch_version()
 if PATCH_VERSION < REQUIRED_PATCH_VERSION:

@@ -337,8 +337,14 @@ class Context:
     def stage_n_tokens(self) -> int:
         return self._stage_n_tokens
 
+    def stage_bytes(self) -> int:
+        """Memory this context holds for staged decoding (the residual store, on the output
+        layer's device): 0 until the first stage_begin."""
+        return int(_ffi.llama_specee_stage_bytes(self.ptr))
+
     def stage_hidden(self) -> np.ndarray:
-        """Copy of the residual after the layers run so far: (n_tokens, n_embd)."""
+        """Copy of the residual after the layers run so far: (n_tokens, n_embd). The residual
+        stays on the device between segments; this downloads it."""
         ptr = _ffi.llama_specee_stage_hidden(self.ptr)
         if not ptr:
             raise SpeceeError("no open stage with a layer run")

@@ -33,6 +33,9 @@ class SpecOptions:
     # auto/stop: also draft for free from the context (prompt and output so far) in the
     # rounds where that is predicted to beat plain decoding (spec/suffix.py)
     context: bool = True
+    # also draft from this user's earlier outputs, kept on this machine (spec/history.py);
+    # opt-in, and only with the context drafts of auto/stop
+    history: bool = False
 
     def __post_init__(self) -> None:
         g = self.gamma
@@ -40,6 +43,10 @@ class SpecOptions:
         if not ok:
             raise SpeceeError(f"gamma must be a number of tokens >= 0 or one of "
                               f"{', '.join(POLICY_NAMES)}, got {g!r}")
+        if self.history and (g not in NEEDS_COSTS or not self.context):
+            raise SpeceeError(f"--history drafts from earlier outputs alongside the context "
+                              f"drafts of --gamma auto or stop, not with gamma {g}"
+                              + ("" if self.context else " and --no-context"))
         if self.controller is not None:
             object.__setattr__(self, "controller", Path(self.controller))
 
@@ -120,6 +127,39 @@ def needs_costs(llm, opts: SpecOptions) -> bool:
     return opts.gamma in NEEDS_COSTS and (opts.context or has_controller(llm, opts))
 
 
+class HistoryDrafts:
+    """The history store of a pair's tokenizer and its trie, loaded once per LLM; each
+    generation's output is added to both when it ends (also when it is stopped)."""
+
+    def __init__(self, fingerprint: str):
+        from .history import History
+
+        self.store = History(fingerprint)
+        self.trie = self.store.trie()
+
+    def recording(self, steps, is_eog):
+        out: list[int] = []
+        try:
+            for step in steps:
+                out.append(step.token)
+                yield step
+        finally:
+            close = getattr(steps, "close", None)
+            if close:
+                close()
+            while out and is_eog(out[-1]):
+                out.pop()
+            if out:
+                self.store.add(out)
+                self.trie.extend(out)
+                self.trie.cut()
+
+
+def history_drafts(llm) -> HistoryDrafts:
+    return llm.cached(("spec", "history"),
+                      lambda: HistoryDrafts(llm.model.info.tokenizer_fingerprint))
+
+
 def draft_policy(llm, opts: SpecOptions):
     """A fresh draft-length policy for one generation (policies keep per-run state)."""
     from .policies import make_policy
@@ -169,9 +209,20 @@ class Spec(Mode):
             note = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
                     + (", and drafts from the context where they pay" if with_context else ""))
         dft = None if policy.plan_is_plain else llm.dft.seq
-        return lambda tokens: with_note(generate_spec(
-            llm.tgt.seq, dft, tokens, policy, sampling,
-            context=ContextSource(costs) if with_context else None), note)
+        hist = history_drafts(llm) if opts.history else None
+        if hist is not None:
+            note += f"; and from your {len(hist.trie)} earlier output tokens"
+
+        def run(tokens):
+            steps = generate_spec(
+                llm.tgt.seq, dft, tokens, policy, sampling,
+                context=ContextSource(costs, history=hist.trie if hist else None)
+                if with_context else None)
+            if hist is not None:
+                steps = hist.recording(steps, llm.model.is_eog)
+            return with_note(steps, note)
+
+        return run
 
     def prepare(self, llm, opts, status=no_status) -> None:
         if needs_costs(llm, opts):
@@ -187,7 +238,8 @@ class Spec(Mode):
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode spec gamma {opts.gamma}"
-                + ("" if opts.context or opts.gamma not in NEEDS_COSTS else " --no-context"))
+                + ("" if opts.context or opts.gamma not in NEEDS_COSTS else " --no-context")
+                + (" --history" if opts.history else ""))
 
 
 register(Spec())

@@ -52,6 +52,11 @@ class SuffixTrie:
             self._open = nxt   # shortest first: the substring of length 1, 2, ...
             self.tokens.append(t)
 
+    def cut(self) -> None:
+        """End a run of tokens: no substring will span this point (between two stored
+        outputs of the history, say)."""
+        self._open = []
+
     def _node(self, path) -> int | None:
         node = 0
         for t in path:
@@ -69,10 +74,12 @@ class SuffixTrie:
                 return node, n
         return 0, 0
 
-    def propose(self, n_max: int, min_match: int = 2, min_prob: float = 0.3) -> Proposal:
-        """Up to ``n_max`` tokens likely to follow the context; empty when no suffix of
+    def propose(self, n_max: int, min_match: int = 2, min_prob: float = 0.3,
+                ctx: list[int] | None = None) -> Proposal:
+        """Up to ``n_max`` tokens likely to follow the context (``ctx``, default this trie's
+        own tokens: another trie's context looks up this one); empty when no suffix of
         ``min_match`` tokens occurred before."""
-        ctx = self.tokens[-(self.depth - 1):]
+        ctx = (self.tokens if ctx is None else ctx)[-(self.depth - 1):]
         out: list[int] = []
         probs: list[float] = []
         first_match = 0
@@ -101,33 +108,46 @@ class ContextSource:
     A drafted token's acceptance is estimated as the trie's share times the acceptance rate
     of context drafts with a match of that length so far in this run (a Beta posterior per
     match-length band, prior mean 2/3: a first guess that is worth one short draft where
-    verification is dear, and learns within a few rounds whether copying works here)."""
+    verification is dear, and learns within a few rounds whether copying works here).
+
+    ``history``, if given, is a trie over the user's earlier outputs (spec/history.py): where
+    its match with the current context is longer than the context's own, it proposes
+    instead, with Beta posteriors of its own."""
 
     BANDS = (3, 5)                # match lengths 1-2, 3-4, 5+
 
-    def __init__(self, costs, depth: int = 8, n_max: int = 16):
+    def __init__(self, costs, depth: int = 8, n_max: int = 16,
+                 history: SuffixTrie | None = None):
         from .cost import as_table
 
         self.table = as_table(costs)
         self.trie = SuffixTrie(depth)
+        self.history = history
         self.n_max = n_max
-        self.beta = [[2.0, 1.0] for _ in range(len(self.BANDS) + 1)]   # accepted, rejected
+        n = len(self.BANDS) + 1
+        # per source (0: this context, 1: the history) and match band: accepted, rejected
+        self.beta = [[[2.0, 1.0] for _ in range(n)] for _ in range(2)]
         self._band = 0
+        self._src = 0
 
-    def _rate(self, band: int) -> float:
-        a, b = self.beta[band]
+    def _rate(self, src: int, band: int) -> float:
+        a, b = self.beta[src][band]
         return a / (a + b)
 
     def extend(self, tokens) -> None:
         self.trie.extend(tokens)
 
     def plan(self, n_context: int) -> list[int]:
-        prop = self.trie.propose(self.n_max)
+        prop, self._src = self.trie.propose(self.n_max), 0
+        if self.history is not None:
+            other = self.history.propose(self.n_max, ctx=self.trie.tokens)
+            if other.tokens and other.match > prop.match:
+                prop, self._src = other, 1
         if not prop.tokens:
             return []
         costs = self.table.at(n_context)
         self._band = sum(prop.match >= b for b in self.BANDS)
-        rate = self._rate(self._band)
+        rate = self._rate(self._src, self._band)
         best_g, best_tps, expect, p_all = 0, 1.0 / costs.plain, 1.0, 1.0
         for g, p in enumerate(prop.probs, 1):
             p_all *= p * rate
@@ -141,5 +161,5 @@ class ContextSource:
         """After a context round: tokens before the first rejection were accepted (each a
         success), the first rejected one a failure, the rest unobserved."""
         if n_drafted:
-            self.beta[self._band][0] += n_accept
-            self.beta[self._band][1] += n_accept < n_drafted
+            self.beta[self._src][self._band][0] += n_accept
+            self.beta[self._src][self._band][1] += n_accept < n_drafted
