@@ -157,6 +157,19 @@ def prepare(dest: Path = PREP, wheels: bool = True) -> dict:
         deterministic_tar(tree, tarball.with_suffix(".tmp"))
         tarball.with_suffix(".tmp").replace(tarball)
     wheel_files = download_wheels(dest / "wheels") if wheels else []
+    # the real pair's tensor types, where its files are here, to compare with what the
+    # quantizer makes of the shape-matched models on the GPU machine
+    real_types = {}
+    try:
+        sys.path.insert(0, str(REPO))
+        from specee_cpp.models.registry import load_registry
+
+        for role, entry in zip(("target", "draft"), load_registry().pair("default")):
+            if entry.local_path.is_file():
+                real_types[role] = {"file": entry.file,
+                                    "types": tensor_types(entry.local_path)}
+    except ImportError:   # prepare may run before set-up: the comparison is then left out
+        pass
     total = tarball.stat().st_size + sum(w.stat().st_size for w in wheel_files)
     manifest = {"sdist": sdist.name, "sdist_bytes": sdist.stat().st_size,
                 "files_in_sdist": n_all, "files_kept": n_kept,
@@ -165,6 +178,7 @@ def prepare(dest: Path = PREP, wheels: bool = True) -> dict:
                                                  ).hexdigest(),
                 "tarball_bytes": tarball.stat().st_size, "tarball_sha256": sha256(tarball),
                 "wheels": sorted(w.name for w in wheel_files), "total_bytes": total,
+                "real_types": real_types,
                 "prepare_s": round(time.perf_counter() - t0, 1)}
     (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
     if total > CARRY_BUDGET:
@@ -389,67 +403,10 @@ def run_measure(env: dict, out: Path, shapes: str, jobs: int) -> dict | None:
 def write_shaped(path: Path, arch_shape: dict, n_vocab: int, seed: int) -> Path:
     """A random-weight qwen2 GGUF of exactly this shape (tied embeddings, as the default
     pair), written in F16 with a synthetic vocabulary of ``n_vocab`` tokens."""
-    import numpy as np
-    from gguf import GGUFWriter
+    from specee_cpp.models.tiny import write_tiny_model
 
-    from specee_cpp.models.tiny import tiny_vocab
-
-    s = arch_shape
-    rng = np.random.default_rng(seed)
-    head = s["n_embd"] // s["n_head"]
-    n_kv = head * s["n_head_kv"]
-    w = GGUFWriter(str(path), "qwen2")
-    w.add_name(f"shaped-qwen2-{s['n_layer']}x{s['n_embd']}")
-    w.add_context_length(32768)
-    w.add_embedding_length(s["n_embd"])
-    w.add_block_count(s["n_layer"])
-    w.add_feed_forward_length(s["n_ff"])
-    w.add_head_count(s["n_head"])
-    w.add_head_count_kv(s["n_head_kv"])
-    w.add_rope_dimension_count(head)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1000000.0)
-    w.add_file_type(1)  # MOSTLY_F16
-    tokens, scores, types = tiny_vocab()
-    pad = n_vocab - len(tokens)
-    tokens += [f"▁w{i}" for i in range(pad)]
-    scores += [-float(i + 20) for i in range(pad)]
-    types += [1] * pad
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-
-    def t(name: str, *shape: int, scale: float = 0.02, dtype=np.float16) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype))
-
-    def ones(name: str, n: int) -> None:
-        w.add_tensor(name, np.ones(n, dtype=np.float32))
-
-    t("token_embd.weight", n_vocab, s["n_embd"], scale=1.0)
-    ones("output_norm.weight", s["n_embd"])
-    for i in range(s["n_layer"]):
-        ones(f"blk.{i}.attn_norm.weight", s["n_embd"])
-        t(f"blk.{i}.attn_q.weight", s["n_embd"], s["n_embd"])
-        t(f"blk.{i}.attn_k.weight", n_kv, s["n_embd"])
-        t(f"blk.{i}.attn_v.weight", n_kv, s["n_embd"])
-        t(f"blk.{i}.attn_q.bias", s["n_embd"], dtype=np.float32)
-        t(f"blk.{i}.attn_k.bias", n_kv, dtype=np.float32)
-        t(f"blk.{i}.attn_v.bias", n_kv, dtype=np.float32)
-        t(f"blk.{i}.attn_output.weight", s["n_embd"], s["n_embd"])
-        ones(f"blk.{i}.ffn_norm.weight", s["n_embd"])
-        t(f"blk.{i}.ffn_gate.weight", s["n_ff"], s["n_embd"])
-        t(f"blk.{i}.ffn_up.weight", s["n_ff"], s["n_embd"])
-        t(f"blk.{i}.ffn_down.weight", s["n_embd"], s["n_ff"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tiny_model(path, arch="qwen2", seed=seed, n_vocab=n_vocab, f16=True,
+                            tied=True, scale=0.02, n_ctx_train=32768, **arch_shape)
 
 
 def tensor_types(path: Path) -> dict[str, int]:
@@ -464,8 +421,6 @@ def tensor_types(path: Path) -> dict[str, int]:
 def measure(out: Path, shapes: str, jobs: int) -> dict:
     """Models of the pair's shapes, their cost table with every layer offloaded, the staged
     decode's exits and probes, and the controller replay with those costs."""
-    import numpy as np
-
     from specee_cpp.bindings import Batch
     from specee_cpp.bindings.quantize import quantize
     from specee_cpp.config import LoadConfig
@@ -579,9 +534,12 @@ def markdown(r: dict) -> str:
               f"`{t.get('summary')}`.", ""]
     m = r.get("measure") or {}
     if "costs" in m:
+        real = (r.get("manifest") or {}).get("real_types") or {}
+        seen = "; ".join(f"the real {k} ({v['file']}): {v['types']}" for k, v in real.items())
         lines += [f"Models: random weights in the default pair's shapes ({m['shapes']}), "
                   f"quantized to {QUANT} here: target types {m['target_types']}, draft types "
-                  f"{m['draft_types']}. Times (s): {m['times_s']}.", "",
+                  f"{m['draft_types']}" + (f" (for comparison, {seen})" if seen else "")
+                  + f". Times (s): {m['times_s']}.", "",
                   "| context | plain token ms | draft token / target | verify 2 | 4 | 8 | 16 |",
                   "|---|---|---|---|---|---|---|"]
         for c in m["costs"]:

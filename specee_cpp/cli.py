@@ -85,6 +85,22 @@ def _mode_options(mode: str | None, draft: str | None, **given):
     return m, m.options(**given)
 
 
+def _default_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
+    """No model named: the registry's default pair (a draft given still wins)."""
+    if model is not None:
+        return model, draft
+    target, dft = load_registry().pair("default")
+    return target.name, draft or dft.name
+
+
+def _load(model: str, draft: str | None, config: LoadConfig):
+    """Load with a status line (a 1.5B model takes seconds)."""
+    from .engine.llm import LLM
+
+    with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
+        return LLM(model, draft=draft, config=config)
+
+
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:
     return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
@@ -195,19 +211,15 @@ def chat(
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
-    from .engine.llm import LLM
     from .engine.steps import Transcript
 
-    if model is None:
-        target, dft = load_registry().pair("default")
-        model, draft = target.name, draft or dft.name
+    model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
                             history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule)
-    with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
-        llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
+    llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
     with llm:
         m.prepare(llm, opts, status=err.status)
         err.print(f"[bold]{llm.model.path.name}[/bold]"
@@ -276,11 +288,8 @@ def serve(
     except ImportError as e:
         raise SpeceeError(f"specee-cpp serve needs the server extra ({e.name} is missing): "
                           f"pip install 'specee-cpp[server]'") from None
-    from .engine.llm import LLM
 
-    if model is None:
-        target, dft = load_registry().pair("default")
-        model, draft = target.name, draft or dft.name
+    model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
                             history=history,
@@ -291,8 +300,7 @@ def serve(
         sock = socket.create_server((host, port))
     except OSError as e:
         raise SpeceeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
-        llm = LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers))
+    llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
     with llm:
         m.prepare(llm, opts, status=err.status)
         cfg = ServeConfig(model_name=Path(model).stem if model.endswith(".gguf") else model,
@@ -485,9 +493,7 @@ def costs(
     from .spec.mode import cost_model
     from .spec.simulate import gpu_like as gpu_shape
 
-    if model is None:
-        target, dft = load_registry().pair("default")
-        model, draft = target.name, draft or dft.name
+    model, draft = _default_pair(model, draft)
     if draft is None:
         raise SpeceeError("costs compares a draft with its target: pass --draft")
 

@@ -14,10 +14,13 @@ from gguf import GGUFWriter, TokenType
 WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "."]
 
 
-def tiny_vocab(extra_words: list[str] | None = None):
+def tiny_vocab(extra_words: list[str] | None = None, n_vocab: int = 0):
+    """A byte-fallback SentencePiece vocabulary; ``n_vocab`` > its size pads it with
+    synthetic words (a model of a real vocabulary's shape)."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
     words = WORDS + (extra_words or [])
+    words += [f"▁w{i}" for i in range(max(0, n_vocab - len(tokens) - len(words)))]
     tokens += words
     types += [TokenType.NORMAL] * len(words)
     scores = [0.0] * 259 + [-float(i) for i in range(len(words))]
@@ -61,7 +64,11 @@ def copy_tokenizer(src: Path, w: GGUFWriter) -> int:
 def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: int = 32,
                      n_head: int = 4, n_head_kv: int = 2, n_ff: int = 64, seed: int = 0,
                      extra_words: list[str] | None = None, n_ctx_train: int = 256,
-                     vocab_from: Path | None = None) -> Path:
+                     vocab_from: Path | None = None, n_vocab: int = 0, f16: bool = False,
+                     tied: bool = False, scale: float = 0.3) -> Path:
+    """A random-weight model; the defaults are tiny F32 test models. ``n_vocab``, ``f16``,
+    ``tied`` (no output matrix: the embeddings serve as the LM head) and ``scale`` write one
+    in a real model's shape instead (scripts/gpu_check.py)."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_kv = head_dim * n_head_kv
@@ -76,11 +83,11 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_file_type(0)  # ALL_F32
+    w.add_file_type(1 if f16 else 0)  # MOSTLY_F16 / ALL_F32
     if vocab_from is not None:
         n_vocab = copy_tokenizer(vocab_from, w)
     else:
-        tokens, scores, types = tiny_vocab(extra_words)
+        tokens, scores, types = tiny_vocab(extra_words, n_vocab)
         n_vocab = len(tokens)
         w.add_tokenizer_model("llama")
         w.add_token_list(tokens)
@@ -94,12 +101,17 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-    def t(name: str, *shape: int, scale: float = 0.3) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+    def t(name: str, *shape: int, scale: float = scale) -> None:
+        # matrices in F16 when asked; vectors (biases) stay F32, as llama.cpp writes them
+        # (float32 draws for the big F16 models: half the time and memory)
+        draws = rng.standard_normal(shape, dtype=np.float32) if f16 else rng.standard_normal(shape)
+        dtype = np.float16 if f16 and len(shape) > 1 else np.float32
+        w.add_tensor(name, (draws * scale).astype(dtype))
 
     t("token_embd.weight", n_vocab, n_embd, scale=1.0)
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    t("output.weight", n_vocab, n_embd)
+    if not tied:
+        t("output.weight", n_vocab, n_embd)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32))
         t(f"blk.{i}.attn_q.weight", n_embd, n_embd)
@@ -109,9 +121,9 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
             w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         if arch == "qwen2":
-            t(f"blk.{i}.attn_q.bias", n_embd, scale=0.1)
-            t(f"blk.{i}.attn_k.bias", n_embd_kv, scale=0.1)
-            t(f"blk.{i}.attn_v.bias", n_embd_kv, scale=0.1)
+            t(f"blk.{i}.attn_q.bias", n_embd, scale=scale / 3)
+            t(f"blk.{i}.attn_k.bias", n_embd_kv, scale=scale / 3)
+            t(f"blk.{i}.attn_v.bias", n_embd_kv, scale=scale / 3)
         t(f"blk.{i}.attn_output.weight", n_embd, n_embd)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32))
         t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
