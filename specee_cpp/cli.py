@@ -58,7 +58,8 @@ def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
 _MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--context",
                "history": "--history",
                "provider": "--provider",
-               "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule"}
+               "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule",
+               "max_exit_error": "--max-exit-error"}
 
 
 def _mode_options(mode: str | None, draft: str | None, **given):
@@ -133,6 +134,10 @@ OptController = typer.Option(None, "--controller",
 OptProvider = typer.Option(None, "--provider", help="ee candidates: draft (default) or ngram.")
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
+OptMaxErr = typer.Option(None, "--max-exit-error",
+                         help="ee quality target: per layer, the loosest threshold whose exits "
+                              "emitted another token than full depth at most this often on "
+                              "held-out calibration prompts (default 0.01).")
 OptRule = typer.Option(None, "--exit-rule",
                        help="ee rule: argmax (SpecEE, default) or candidate.")
 
@@ -166,6 +171,7 @@ def generate(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
+    max_exit_error: Optional[float] = OptMaxErr,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
@@ -178,7 +184,8 @@ def generate(
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
                             history=history,
                             provider=provider,
-                            predictors=predictors, threshold=threshold, rule=exit_rule)
+                            predictors=predictors, threshold=threshold, rule=exit_rule,
+                            max_exit_error=max_exit_error)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         m.prepare(llm, opts, status=err.status)
         done = Transcript()
@@ -207,6 +214,7 @@ def chat(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
+    max_exit_error: Optional[float] = OptMaxErr,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
@@ -218,7 +226,8 @@ def chat(
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
                             history=history,
                             provider=provider,
-                            predictors=predictors, threshold=threshold, rule=exit_rule)
+                            predictors=predictors, threshold=threshold, rule=exit_rule,
+                            max_exit_error=max_exit_error)
     llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
     with llm:
         m.prepare(llm, opts, status=err.status)
@@ -274,6 +283,7 @@ def serve(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
+    max_exit_error: Optional[float] = OptMaxErr,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
@@ -294,7 +304,8 @@ def serve(
     m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
                             history=history,
                             provider=provider,
-                            predictors=predictors, threshold=threshold, rule=exit_rule)
+                            predictors=predictors, threshold=threshold, rule=exit_rule,
+                            max_exit_error=max_exit_error)
     # bound before loading, so a taken port is one line now, not after a minute of loading
     try:
         sock = socket.create_server((host, port))
@@ -331,11 +342,16 @@ def calibrate(
     n_tokens: int = typer.Option(48, "--n-tokens", help="Continuation tokens per prompt."),
     min_layer: int = typer.Option(0, "--min-layer", help="First calibrated layer (0: half)."),
     threshold: float = typer.Option(0.5, "--threshold", help="Exit threshold stored in the bundle."),
+    curves_only: bool = typer.Option(
+        False, "--curves-only",
+        help="Keep the bundle's predictors; measure only its exit curves (the quality target's "
+             "data) on its validation prompts."),
     n_ctx: int = OptCtx, threads: int = OptThreads,
 ) -> None:
-    """Fit the early-exit predictors and the offline schedule on dev prompts."""
+    """Fit the early-exit predictors and the offline schedule on dev prompts, and measure
+    each layer's exit curve (exit rate and error by threshold) on held-out ones."""
     from .bench.prompts import fitting_pool, load_spec_bench
-    from .ee.calibrate import CalibConfig, calibrate as run_calibration
+    from .ee.calibrate import CalibConfig, add_curves, calibrate as run_calibration
     from .ee.mode import bundle_path, candidates
     from .engine.llm import LLM
 
@@ -351,7 +367,12 @@ def calibrate(
             def progress(desc: str, done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total, description=desc)
 
-            report = run_calibration(llm, cands, texts, out, cfg, progress=progress)
+            run = add_curves if curves_only else run_calibration
+            report = run(llm, cands, texts, out, cfg, progress=progress)
+    if curves_only:
+        _print_curves(report["exit_curves"])
+        err.print(f"[green]wrote[/green] exit curves into {out}", soft_wrap=True)
+        return
     table = Table(title=f"exit predictors ({provider}), validation split")
     for col in ("layer", "precision", "recall", "label rate", "exit rate"):
         table.add_column(col)
@@ -360,12 +381,27 @@ def calibrate(
         table.add_row(str(layer), f"{r['precision']:.2f}", f"{r['recall']:.2f}",
                       f"{r['positive_rate']:.2f}", f"{rates.get(layer, 0):.3f}")
     err.print(table)
+    _print_curves(report["exit_curves"])
     from .provenance import describe
 
     err.print(f"measured on: {describe(report['machine'])}")
     err.print(f"offline schedule {report['offline']}; exit ratio {report['exit_ratio']:.2f}, "
               f"agreement {report['exit_agreement']}, mean exit layer {report['mean_exit_layer']}")
     err.print(f"[green]wrote[/green] {out}", soft_wrap=True)
+
+
+def _print_curves(curves: dict) -> None:
+    """Per rule, each layer's exit rate and the error of those exits at every threshold."""
+    for rule in ("argmax", "candidate"):
+        ct = Table(title=f"{rule} rule, validation prompts ({curves['n_tokens']} tokens): "
+                         f"exit rate / error of those exits, by threshold")
+        ct.add_column("layer")
+        for t in curves["grid"]:
+            ct.add_column(str(t))
+        for layer, curve in curves[rule].items():
+            ct.add_row(layer, *(f"{f / max(curves['n_tokens'], 1):.2f}/{w / f:.2f}" if f else "-"
+                                for f, w in curve))
+        err.print(ct)
 
 
 @app.command()

@@ -12,6 +12,9 @@ N_CTX = 4096          # context window of a session (chat, generate, bench, prof
 N_BATCH = 512         # tokens per llama_decode batch
 N_CTX_COSTS = 2048    # context of a `costs` measurement (a short chat turn fits)
 N_CAND = 4            # candidates per token that early-exit predictors see (SpecEE's top-4)
+# early exit's quality target: at most this fraction of a layer's exits may emit another
+# token than full depth would (on held-out calibration prompts); docs/early-exit.md
+MAX_EXIT_ERROR = 0.01
 MAX_GAMMA = 8         # longest draft the draft-length policies consider
 MAX_VERIFY = 16       # largest target batch the cost model measures (verify of 15 drafts)
 FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked

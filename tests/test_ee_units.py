@@ -106,3 +106,55 @@ def test_prompt_file_errors(tmp_path):
         load_spec_bench(f)
     with pytest.raises(SpeceeError, match="not found"):
         load_spec_bench(tmp_path / "none.jsonl")
+
+
+# ---- the quality target ---------------------------------------------------------------------
+
+def test_thresholds_meet_the_target_or_leave_the_layer_out():
+    from specee_cpp.ee.calibrate import THRESHOLD_GRID, choose_thresholds
+
+    n = len(THRESHOLD_GRID)
+    curves = {"grid": list(THRESHOLD_GRID), "n_tokens": 1000, "argmax": {
+        # fires and wrong exits at each threshold, loosest first
+        "14": [[200, 20]] * 3 + [[100, 1]] + [[50, 0]] * (n - 4),  # meets 1% at the 4th
+        "15": [[300, 30]] * n,                                       # never
+        "16": [[9, 0]] * n,                                          # too few exits to trust
+        "17": [[500, 4]] + [[400, 0]] * (n - 1),                     # at the loosest already
+    }}
+    assert choose_thresholds(curves, "argmax", 0.01) == {14: THRESHOLD_GRID[3],
+                                                         17: THRESHOLD_GRID[0]}
+    assert choose_thresholds(curves, "argmax", 0.0) == {14: THRESHOLD_GRID[4],
+                                                        17: THRESHOLD_GRID[1]}
+    assert choose_thresholds(curves, "argmax", 0.1)[15] == THRESHOLD_GRID[0]
+
+
+def test_exit_plan_from_curves_and_an_explicit_threshold():
+    from specee_cpp.ee.calibrate import THRESHOLD_GRID
+    from specee_cpp.ee.mode import EEOptions, exit_plan
+
+    fit = (np.zeros(12), np.ones(12), np.zeros((12, 2)), np.zeros(2), np.zeros(2), 0.0)
+    n = len(THRESHOLD_GRID)
+    curves = {"grid": list(THRESHOLD_GRID), "n_tokens": 100,
+              "argmax": {"5": [[40, 0]] * n, "6": [[30, 10]] * n},
+              "candidate": {"5": [[60, 30]] * n, "6": [[50, 25]] * n}}
+    pred = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={"exit_curves": curves})
+    th, rates, offline, note = exit_plan(pred, EEOptions(provider="ngram"))
+    assert th == {5: 0.5} and rates == {5: 0.4} and offline == [5] and "exits at 1 of 2 layers" in note
+    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", rule="candidate"))
+    assert th == {} and "every token at full depth" in note
+    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", threshold=0.9))
+    assert th == {5: 0.9, 6: 0.9} and "every layer" in note
+    with pytest.raises(SpeceeError, match="max_exit_error"):
+        EEOptions(max_exit_error=1.5)
+
+
+def test_repetition_guard_sees_loops_only():
+    from specee_cpp.ee.decode import looping
+
+    assert looping([1, 2, 3] + [7, 8] * 3)
+    assert looping([5] * 3)
+    assert not looping([5] * 2)
+    assert not looping(list(range(40)))
+    assert not looping([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    assert looping([9] + list(range(16)) * 3)       # the longest block it looks for
+    assert not looping(list(range(17)) * 2)

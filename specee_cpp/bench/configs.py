@@ -68,6 +68,14 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 options=EEOptions(provider="draft", rule="candidate"), needs_draft=True),
     BenchConfig("ee-ngram-cand", "ours", False, mode="ee",
                 options=EEOptions(provider="ngram", rule="candidate")),
+    # the same at a looser quality target, and with the one 0.5 threshold of SpecEE's rule
+    # at every layer (what ee did before the quality target)
+    *[BenchConfig(f"ee-{p}-e05", "ours", False, mode="ee",
+                  options=EEOptions(provider=p, max_exit_error=0.05), needs_draft=p == "draft")
+      for p in ("draft", "ngram")],
+    *[BenchConfig(f"ee-{p}-t05", "ours", False, mode="ee",
+                  options=EEOptions(provider=p, threshold=0.5), needs_draft=p == "draft")
+      for p in ("draft", "ngram")],
     _spec_simple("lcpp-draft-4", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
                  "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", draft=True),
     _spec_simple("lcpp-draft-8-p75", "--spec-type", "draft-simple", "--spec-draft-n-max", "8",

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import N_CAND
+from ..config import MAX_EXIT_ERROR, N_CAND
 from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
@@ -31,6 +31,11 @@ from ..mlp import train_mlp
 from .predictor import Predictors, stack
 
 Progress = Callable[[str, int, int], None]
+
+# thresholds an exit curve is measured at; the lowest one meeting the quality target wins
+THRESHOLD_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+RULES = ("argmax", "candidate")
+MIN_FIRES = 10   # a layer needs this many held-out exits at a threshold to be trusted there
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,55 @@ def simulate_exits(pred: Predictors, rec: dict, layers: list[int], threshold: fl
     return np.stack([exits, correct])
 
 
+def exit_curves(pred: Predictors, records: list[dict], layers: list[int]) -> dict:
+    """Per rule and layer, on held-out records with each layer probed on its own (first-probe
+    features): at every threshold of THRESHOLD_GRID, the tokens the layer would exit and how
+    many of them would differ from the full-depth token. JSON-ready:
+    ``{"n_tokens": N, "grid": [...], rule: {layer: [[fires, wrong], ...]}}``."""
+    out: dict = {"grid": list(THRESHOLD_GRID), **{r: {} for r in RULES}}
+    n_tokens = 0
+    for j, layer in enumerate(layers):
+        prob, final, by_rule = [], [], {r: ([], []) for r in RULES}   # emitted, allowed
+        for rec in records:
+            ok = rec["n_cand"] > 0
+            lg = rec["logits"][j][ok]
+            prob.append(pred.prob(layer, features(lg, None, pred.k)[0]))
+            final.append(rec["final"][ok])
+            cands, n_c, am = rec["cand"][ok], rec["n_cand"][ok], rec["argmax"][j][ok]
+            real = np.arange(cands.shape[1])[None, :] < n_c[:, None]
+            # argmax rule: the layer's own argmax, only when it is one of the candidates
+            by_rule["argmax"][0].append(am)
+            by_rule["argmax"][1].append(((cands == am[:, None]) & real).any(axis=1))
+            # candidate rule: the top probed candidate, always
+            top = np.where(real, lg[:, :cands.shape[1]], -np.inf).argmax(axis=1)
+            by_rule["candidate"][0].append(cands[np.arange(len(cands)), top])
+            by_rule["candidate"][1].append(np.ones(len(cands), dtype=bool))
+        p, f = np.concatenate(prob), np.concatenate(final)
+        n_tokens = len(f)
+        for rule, (emit, allowed) in by_rule.items():
+            emit, allowed = np.concatenate(emit), np.concatenate(allowed)
+            wrong = emit != f
+            out[rule][str(layer)] = [[int(((p > t) & allowed).sum()),
+                                      int(((p > t) & allowed & wrong).sum())]
+                                     for t in THRESHOLD_GRID]
+    out["n_tokens"] = n_tokens
+    return out
+
+
+def choose_thresholds(curves: dict, rule: str, max_error: float = MAX_EXIT_ERROR,
+                      min_fires: int = MIN_FIRES) -> dict[int, float]:
+    """Per layer, the lowest threshold at which the layer's held-out exits met the quality
+    target (at least ``min_fires`` of them, at most ``max_error`` of those wrong); a layer
+    that meets it nowhere is left out (not probed at all)."""
+    out = {}
+    for layer, curve in curves[rule].items():
+        for t, (fires, wrong) in zip(curves["grid"], curve):
+            if fires >= min_fires and wrong <= max_error * fires:
+                out[int(layer)] = float(t)
+                break
+    return out
+
+
 def measure_costs(llm: LLM, prompt: list[int], probe_layers: list[int], n: int = 8) -> dict:
     """Seconds per layer and per probe on this machine, from single-token staged decodes
     (one segment to the end vs. the same with ``probe_layers`` probed), for the scheduler's
@@ -160,20 +214,36 @@ def measure_costs(llm: LLM, prompt: list[int], probe_layers: list[int], n: int =
             "probe_cost_s": max(times["probed"] - times["full"], 0.0) / max(len(probe_layers), 1)}
 
 
-def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
-              cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
-    """Run the whole calibration; writes the bundle to ``out`` and returns the report."""
-    n_layer = llm.model.n_layer
-    min_layer = cfg.min_layer or n_layer // 2
-    if not 1 <= min_layer < n_layer - 1:
-        raise SpeceeError(f"min_layer {min_layer} out of range [1, {n_layer - 1})")
-    layers = list(range(min_layer, n_layer - 1))
+def add_curves(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
+               cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
+    """Measure the exit curves of an existing bundle on its validation prompts (the last
+    ``val_frac`` of ``prompts``, the ones it was not trained on) and store them in it: the
+    quality target for a bundle fitted before curves existed, without refitting it."""
     out = Path(out)
-    target_sha = llm.model.sha256
-    key = hashlib.sha256(json.dumps([target_sha, provider.name, layers, cfg.n_tokens,
+    pred = Predictors.load(out)
+    pred.check_target(llm.model.sha256, llm.model.n_layer, llm.model.path)
+    if pred.meta.get("provider") != provider.name:
+        raise SpeceeError(f"{out.name} was fitted with the {pred.meta.get('provider')} "
+                          f"provider, not {provider.name}")
+    n_val = max(1, int(len(prompts) * cfg.val_frac))
+    val = collect(llm, provider, prompts[-n_val:], pred.layers, cfg, progress)
+    curves = exit_curves(pred, val, pred.layers)
+    pred.meta.update(exit_curves=curves, curves_on=f"{len(val)} held-out prompts (dev data)")
+    pred.save(out)
+    report_path = out.with_suffix(".report.json")
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        report["exit_curves"] = curves
+        report_path.write_text(json.dumps(report, indent=1))
+    return {"bundle": str(out), "exit_curves": curves, "layers": pred.layers}
+
+
+def collect(llm: LLM, provider: CandidateProvider, prompts: list[str], layers: list[int],
+            cfg: CalibConfig, progress: Progress | None = None) -> list[dict]:
+    """Calibration records of ``prompts`` (each kept on disk as it is made: a stopped run
+    resumes; one on another subset of the same prompts reuses them)."""
+    key = hashlib.sha256(json.dumps([llm.model.sha256, provider.name, layers, cfg.n_tokens,
                                      cfg.k]).encode()).hexdigest()[:12]
-    # one record per prompt, named by the prompt: a stopped run, or one on another subset of
-    # the same prompts, reuses what was collected
     work = home() / "calibration" / f"{provider.name}-{key}"
     work.mkdir(parents=True, exist_ok=True)
     records = []
@@ -190,9 +260,25 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         if "final" in rec:
             # padded once here; training and validation read it for every layer
             rec["logits"] = masked(rec["probes"], rec["n_cand"])
+            rec["work"] = str(work)
             records.append(rec)
         if progress:
             progress("collecting", i + 1, len(prompts))
+    return records
+
+
+def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
+              cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
+    """Run the whole calibration; writes the bundle to ``out`` and returns the report."""
+    n_layer = llm.model.n_layer
+    min_layer = cfg.min_layer or n_layer // 2
+    if not 1 <= min_layer < n_layer - 1:
+        raise SpeceeError(f"min_layer {min_layer} out of range [1, {n_layer - 1})")
+    layers = list(range(min_layer, n_layer - 1))
+    out = Path(out)
+    target_sha = llm.model.sha256
+    records = collect(llm, provider, prompts, layers, cfg, progress)
+    work = Path(records[0]["work"]) if records else home() / "calibration"
     if len(records) < 2:
         raise SpeceeError(f"calibration collected {len(records)} usable prompts; need at least 2")
 
@@ -227,7 +313,8 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     positive = [r for r in rate.values() if r > 0]
     mean_rate = float(np.mean(positive)) if positive else 0.0
     offline = [layer for layer, r in rate.items() if r > 0 and r >= mean_rate]
-    pred.meta.update(offline=offline, exit_rate=rate,
+    curves = exit_curves(pred, val, layers)
+    pred.meta.update(offline=offline, exit_rate=rate, exit_curves=curves,
                      **measure_costs(llm, llm.prompt_tokens(prompts[0]), layers[::3]))
     pred.save(out)
     report = {
@@ -237,6 +324,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         "validation_tokens": n_tok, "exit_ratio": float((exits >= 0).mean()),
         "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,
         "mean_exit_layer": float(exits[exits >= 0].mean()) if (exits >= 0).any() else None,
+        "exit_curves": curves,
     }
     # the file is shipped with bundles: no machine paths in it (names under the cache)
     portable = dict(report, bundle=out.name, work=f"calibration/{work.name}")

@@ -22,9 +22,28 @@ from .features import features
 from .predictor import Predictors
 from .scheduler import Scheduler
 
+LOOP_SPAN = 16      # longest repeated block the repetition guard looks for
+LOOP_REPEATS = 3    # ... repeated this many times in a row
+
+
+def looping(tokens: list[int], span: int = LOOP_SPAN, repeats: int = LOOP_REPEATS) -> bool:
+    """Whether the output ends in a block of 1..``span`` tokens repeated ``repeats`` times:
+    early exits that feed their own tokens back as candidates can lock into such a loop,
+    so these tokens are decoded at full depth (which leaves a loop the model means)."""
+    for n in range(1, span + 1):
+        if len(tokens) < n * repeats:
+            break
+        block = tokens[-n:]
+        if all(tokens[-(i + 1) * n:len(tokens) - i * n] == block for i in range(1, repeats)):
+            return True
+    return False
+
+
 def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
-                predictors: Predictors, scheduler: Scheduler, threshold: float,
+                predictors: Predictors, scheduler: Scheduler, thresholds: dict[int, float],
                 rule: str = "argmax") -> Iterator[Step]:
+    """``thresholds``: the firing threshold of each layer that may be probed (ee/mode.py's
+    exit_plan: from the quality target, or one for all)."""
     ctx = seq.ctx
     n_layer = ctx.model.n_layer
     k = predictors.k
@@ -35,13 +54,16 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
     provider.reset(prompt)
     token, exit_layer = int(np.argmax(logits)), None
     timings = {"prefill": clock() - t0}
+    out: list[int] = []
     while True:
         yield Step(token=token, exit_layer=exit_layer, timings=timings)
+        out.append(token)
         t0 = clock()
         provider.accept(token)
         cand = provider.propose()
         t_draft = clock() - t0
-        layers = scheduler.layers() if len(cand) else []
+        layers = scheduler.layers() if len(cand) and not looping(out[-LOOP_SPAN * LOOP_REPEATS:]) \
+            else []
         t_layers = t_probe = t_head = 0.0
         exit_layer, nxt, prev, finished = None, -1, None, False
         seq.begin_staged([token])
@@ -51,7 +73,7 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
                 probe = ctx.stage_run(layer, cand[None, :])[0]
                 t1 = clock()
                 x, prev = features(probe, prev, k)
-                fire = predictors.prob(layer, x) > threshold
+                fire = predictors.prob(layer, x) > thresholds[layer]
                 t2 = clock()
                 t_layers += t1 - t0
                 t_probe += t2 - t1

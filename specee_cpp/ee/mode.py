@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import N_CAND
+from ..config import MAX_EXIT_ERROR, N_CAND
 from ..engine.modes import Mode, register
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR
@@ -17,9 +17,12 @@ class EEOptions:
 
     provider: str = "draft"           # draft | ngram
     predictors: Path | None = None    # bundle path; None: the one shipped for the target
-    threshold: float | None = None
+    threshold: float | None = None    # one threshold for every layer (overrides the target)
     rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
     k: int = N_CAND
+    # quality target: per layer, the lowest threshold whose held-out exits emitted another
+    # token than full depth at most this often (layers that never do are not probed)
+    max_exit_error: float = MAX_EXIT_ERROR
 
     def __post_init__(self) -> None:
         if self.provider not in ("draft", "ngram"):
@@ -31,6 +34,8 @@ class EEOptions:
         # a probability threshold: 1.0 never fires (the rule is prob > threshold); NaN fails too
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise SpeceeError(f"threshold must be in [0, 1] (1 never exits), got {self.threshold}")
+        if not 0.0 <= self.max_exit_error < 1.0:
+            raise SpeceeError(f"max_exit_error must be in [0, 1), got {self.max_exit_error}")
         if self.predictors is not None:
             object.__setattr__(self, "predictors", Path(self.predictors))
 
@@ -77,6 +82,34 @@ def predictors(llm, opts: EEOptions):
     return pred
 
 
+def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float], list[int], str]:
+    """(threshold per probed layer, exit rate per layer, offline schedule, note) for these
+    options: from the bundle's held-out exit curves at the quality target, or one threshold
+    for every layer when given (or when the bundle predates the curves)."""
+    from .calibrate import choose_thresholds
+
+    curves = pred.meta.get("exit_curves")
+    rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
+    offline = pred.meta.get("offline", pred.layers)
+    if opts.threshold is not None or not curves:
+        t = pred.threshold if opts.threshold is None else opts.threshold
+        note = f"threshold {t} at every layer" + ("" if curves else " (bundle without exit curves)")
+        return {l: t for l in pred.layers}, rates, offline, note
+    thresholds = choose_thresholds(curves, opts.rule, opts.max_exit_error)
+    grid, n = curves["grid"], max(curves["n_tokens"], 1)
+    rates = {l: curves[opts.rule][str(l)][grid.index(t)][0] / n for l, t in thresholds.items()}
+    positive = [r for r in rates.values() if r > 0]
+    mean = sum(positive) / len(positive) if positive else 0.0
+    offline = [l for l, r in rates.items() if r > 0 and r >= mean]
+    if not thresholds:
+        note = (f"no layer meets --max-exit-error {opts.max_exit_error} on the calibration "
+                f"data with the {opts.rule} rule: every token at full depth")
+    else:
+        note = (f"exits at {len(thresholds)} of {len(pred.layers)} layers, those meeting "
+                f"--max-exit-error {opts.max_exit_error} ({opts.rule} rule)")
+    return thresholds, rates, offline, note
+
+
 class EarlyExit(Mode):
     name = "ee"
     Options = EEOptions
@@ -90,19 +123,22 @@ class EarlyExit(Mode):
         if not sampling.greedy:
             raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
                               f"got temperature {sampling.temperature}")
+        from ..engine.steps import with_note
+
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
-        rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
-        sched = Scheduler(n_layer=llm.model.n_layer, offline=pred.meta.get("offline", pred.layers),
-                          allowed=set(pred.layers), exit_rate=rates,
+        thresholds, rates, offline, note = exit_plan(pred, opts)
+        sched = Scheduler(n_layer=llm.model.n_layer, offline=offline,
+                          allowed=set(thresholds), exit_rate=rates,
                           layer_cost=pred.meta.get("layer_cost_s", 0.0),
                           probe_cost=pred.meta.get("probe_cost_s", 0.0))
-        threshold = pred.threshold if opts.threshold is None else opts.threshold
-        return lambda tokens: generate_ee(llm.tgt.seq, tokens, provider, pred, sched, threshold,
-                                          rule=opts.rule)
+        return lambda tokens: with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
+                                                    thresholds, rule=opts.rule), note)
 
     def describe(self, opts) -> str:
-        return f"specee-cpp --mode ee {opts.provider} {opts.rule}"
+        target = (f"threshold {opts.threshold}" if opts.threshold is not None
+                  else f"max-exit-error {opts.max_exit_error}")
+        return f"specee-cpp --mode ee {opts.provider} {opts.rule} {target}"
 
 
 register(EarlyExit())
