@@ -312,12 +312,11 @@ def run_logged(cmd: list[str], log_path: Path, env: dict | None = None) -> None:
 def python_path(src: Path, prep: Path, work: Path) -> list[str]:
     """Where the child processes import from: the pruned llama_cpp package, this repository,
     and the carried wheels of the modules this Python lacks (unpacked, no pip needed)."""
+    import importlib.util
+
     paths = [str(src), str(REPO)]
-    lacking = []
-    for module in WHEELS:
-        r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True)
-        if r.returncode != 0:
-            lacking.append(module)
+    # the children run this same interpreter: what it cannot find, they cannot import
+    lacking = [m for m in WHEELS if importlib.util.find_spec(m) is None]
     if lacking:
         pylib = work / "pylib"
         pylib.mkdir(parents=True, exist_ok=True)

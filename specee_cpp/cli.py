@@ -234,7 +234,7 @@ def chat(
         err.print(f"[bold]{llm.model.path.name}[/bold]"
                   + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
                   + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply.")
-        history: list[dict] = [{"role": "system", "content": system}] if system else []
+        messages: list[dict] = [{"role": "system", "content": system}] if system else []
         while True:
             try:
                 user = input("\n> ")
@@ -247,20 +247,20 @@ def chat(
                 break
             if not user.strip():
                 continue
-            history.append({"role": "user", "content": user})
+            messages.append({"role": "user", "content": user})
             reply = Transcript()
             try:
-                for step in llm.stream(history, max_tokens=max_tokens, sampling=sampling,
+                for step in llm.stream(messages, max_tokens=max_tokens, sampling=sampling,
                                        mode=m, options=opts):
                     out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
             except KeyboardInterrupt:
                 err.print("\n[dim](reply stopped)[/dim]", end="")
-            except SpeceeError as e:  # e.g. the history outgrew the context: keep the session
+            except SpeceeError as e:  # e.g. the conversation outgrew the context: keep the session
                 err.print(f"\n[red]error:[/red] {e}", markup=True)
-                history.pop()
+                messages.pop()
                 continue
             out.print()
-            history.append({"role": "assistant", "content": reply.text})
+            messages.append({"role": "assistant", "content": reply.text})
             if reply.stats is not None:
                 err.print(f"[dim]{_stats_line(reply.stats)}[/dim]")
 

@@ -29,6 +29,7 @@ from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
 from ..mlp import train_mlp
 from .predictor import Predictors, stack
+from .scheduler import offline_layers
 
 Progress = Callable[[str, int, int], None]
 
@@ -238,13 +239,19 @@ def add_curves(llm: LLM, provider: CandidateProvider, prompts: list[str], out: P
     return {"bundle": str(out), "exit_curves": curves, "layers": pred.layers}
 
 
+def records_dir(llm: LLM, provider: CandidateProvider, layers: list[int],
+                cfg: CalibConfig) -> Path:
+    """Where the records of this target, provider, layer set and record shape are kept."""
+    key = hashlib.sha256(json.dumps([llm.model.sha256, provider.name, layers, cfg.n_tokens,
+                                     cfg.k]).encode()).hexdigest()[:12]
+    return home() / "calibration" / f"{provider.name}-{key}"
+
+
 def collect(llm: LLM, provider: CandidateProvider, prompts: list[str], layers: list[int],
             cfg: CalibConfig, progress: Progress | None = None) -> list[dict]:
     """Calibration records of ``prompts`` (each kept on disk as it is made: a stopped run
     resumes; one on another subset of the same prompts reuses them)."""
-    key = hashlib.sha256(json.dumps([llm.model.sha256, provider.name, layers, cfg.n_tokens,
-                                     cfg.k]).encode()).hexdigest()[:12]
-    work = home() / "calibration" / f"{provider.name}-{key}"
+    work = records_dir(llm, provider, layers, cfg)
     work.mkdir(parents=True, exist_ok=True)
     records = []
     for i, text in enumerate(prompts):
@@ -260,7 +267,6 @@ def collect(llm: LLM, provider: CandidateProvider, prompts: list[str], layers: l
         if "final" in rec:
             # padded once here; training and validation read it for every layer
             rec["logits"] = masked(rec["probes"], rec["n_cand"])
-            rec["work"] = str(work)
             records.append(rec)
         if progress:
             progress("collecting", i + 1, len(prompts))
@@ -278,7 +284,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     out = Path(out)
     target_sha = llm.model.sha256
     records = collect(llm, provider, prompts, layers, cfg, progress)
-    work = Path(records[0]["work"]) if records else home() / "calibration"
+    work = records_dir(llm, provider, layers, cfg)
     if len(records) < 2:
         raise SpeceeError(f"calibration collected {len(records)} usable prompts; need at least 2")
 
@@ -310,9 +316,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     exits, correct = sims[0], sims[1].astype(bool)
     n_tok = len(exits)
     rate = {layer: float((exits == layer).sum()) / n_tok for layer in layers}
-    positive = [r for r in rate.values() if r > 0]
-    mean_rate = float(np.mean(positive)) if positive else 0.0
-    offline = [layer for layer, r in rate.items() if r > 0 and r >= mean_rate]
+    offline = offline_layers(rate)
     curves = exit_curves(pred, val, layers)
     pred.meta.update(offline=offline, exit_rate=rate, exit_curves=curves,
                      **measure_costs(llm, llm.prompt_tokens(prompts[0]), layers[::3]))

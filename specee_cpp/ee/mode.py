@@ -87,6 +87,7 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
     options: from the bundle's held-out exit curves at the quality target, or one threshold
     for every layer when given (or when the bundle predates the curves)."""
     from .calibrate import choose_thresholds
+    from .scheduler import offline_layers
 
     curves = pred.meta.get("exit_curves")
     rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
@@ -98,9 +99,7 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
     thresholds = choose_thresholds(curves, opts.rule, opts.max_exit_error)
     grid, n = curves["grid"], max(curves["n_tokens"], 1)
     rates = {l: curves[opts.rule][str(l)][grid.index(t)][0] / n for l, t in thresholds.items()}
-    positive = [r for r in rates.values() if r > 0]
-    mean = sum(positive) / len(positive) if positive else 0.0
-    offline = [l for l, r in rates.items() if r > 0 and r >= mean]
+    offline = offline_layers(rates)
     if not thresholds:
         note = (f"no layer meets --max-exit-error {opts.max_exit_error} on the calibration "
                 f"data with the {opts.rule} rule: every token at full depth")

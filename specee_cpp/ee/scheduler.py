@@ -11,6 +11,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+def offline_layers(exit_rate: dict[int, float]) -> list[int]:
+    """SpecEE's offline schedule: the layers whose exit rate is above the mean of the layers
+    that exit at all."""
+    positive = [r for r in exit_rate.values() if r > 0]
+    mean = sum(positive) / len(positive) if positive else 0.0
+    return [l for l, r in exit_rate.items() if r > 0 and r >= mean]
+
+
 @dataclass
 class Scheduler:
     n_layer: int

@@ -62,15 +62,19 @@ def error(status: int, message: str, **kw) -> JSONResponse:
     return JSONResponse(error_body(message, **kw), status_code=status, headers=headers)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One line naming the first offending field (FastAPI lists them all, nested)."""
     e = exc.errors()[0]
     if e.get("type") == "json_invalid":
         return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}", None
+    # a union's member tag ("str", "list[TextPart]", "function-after[...]") is not part of
+    # the field's path; a field name never is one (a prefix test would drop "stream")
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-    # a union's member type name (e.g. "str") is not part of the field's path
-    loc = [p for p in loc if not p.startswith(("list[", "str", "int", "float", "bool",
-                                               "function-", "TextPart"))]
+    loc = [p for p in loc if p not in _UNION_TAGS and "[" not in p
+           and not p.startswith("function-")]
     field = ".".join(loc) or None
     msg = e["msg"].removeprefix("Value error, ")
     if field:
