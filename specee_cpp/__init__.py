@@ -17,6 +17,7 @@ from __future__ import annotations
 from .engine import plain as _plain  # noqa: F401, I001  (registers mode plain, first)
 from .spec import mode as _spec_mode  # noqa: F401  (registers mode spec)
 from .ee import mode as _ee_mode  # noqa: F401  (registers mode ee)
+from .hyper import mode as _hyper_mode  # noqa: F401  (registers mode spec-ee)
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ _LAZY = {
     "SamplingConfig": ("specee_cpp.config", "SamplingConfig"),
     "SpecOptions": ("specee_cpp.spec.mode", "SpecOptions"),
     "EEOptions": ("specee_cpp.ee.mode", "EEOptions"),
+    "SpecEEOptions": ("specee_cpp.hyper.mode", "SpecEEOptions"),
     "modes": ("specee_cpp.engine", "modes"),
     "LoadConfig": ("specee_cpp.config", "LoadConfig"),
     "SpeceeError": ("specee_cpp.errors", "SpeceeError"),

@@ -59,7 +59,7 @@ _MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--c
                "history": "--history",
                "provider": "--provider",
                "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule",
-               "max_exit_error": "--max-exit-error"}
+               "max_exit_error": "--max-exit-error", "unsafe": "--unsafe-exits"}
 
 
 def _mode_options(mode: str | None, draft: str | None, **given):
@@ -116,7 +116,8 @@ OptCtx = typer.Option(N_CTX, "--n-ctx", help="Context window in tokens.")
 OptThreads = typer.Option(0, "--threads", help="CPU threads (0: automatic).")
 OptGpu = typer.Option(0, "--gpu-layers", help="Layers to offload to the GPU (-1: all).")
 OptMode = typer.Option(None, "--mode",
-                       help="Decoding mode: plain, spec (draft then verify) or ee (early exit); "
+                       help="Decoding mode: plain, spec (draft then verify), ee (early exit) "
+                            "or spec-ee (draft then verify, the verify batch exiting early); "
                             "default: spec with the cost-aware --gamma auto when a draft is "
                             "given (plain decoding wherever drafting cannot pay), else plain.")
 OptGamma = typer.Option(None, "--gamma",
@@ -138,6 +139,10 @@ OptMaxErr = typer.Option(None, "--max-exit-error",
                          help="ee quality target: per layer, the loosest threshold whose exits "
                               "emitted another token than full depth at most this often on "
                               "held-out calibration prompts (default 0.01).")
+OptUnsafe = typer.Option(None, "--unsafe-exits",
+                         help="ee, spec-ee: allow exits whose error was not measured against "
+                              "the quality target (a --threshold below 1, a bundle without "
+                              "exit curves).")
 OptRule = typer.Option(None, "--exit-rule",
                        help="ee rule: argmax (SpecEE, default) or candidate.")
 
@@ -171,7 +176,7 @@ def generate(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    max_exit_error: Optional[float] = OptMaxErr,
+    max_exit_error: Optional[float] = OptMaxErr, unsafe_exits: Optional[bool] = OptUnsafe,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
@@ -185,7 +190,7 @@ def generate(
                             history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule,
-                            max_exit_error=max_exit_error)
+                            max_exit_error=max_exit_error, unsafe=unsafe_exits)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         m.prepare(llm, opts, status=err.status)
         done = Transcript()
@@ -214,7 +219,7 @@ def chat(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    max_exit_error: Optional[float] = OptMaxErr,
+    max_exit_error: Optional[float] = OptMaxErr, unsafe_exits: Optional[bool] = OptUnsafe,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
@@ -227,7 +232,7 @@ def chat(
                             history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule,
-                            max_exit_error=max_exit_error)
+                            max_exit_error=max_exit_error, unsafe=unsafe_exits)
     llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
     with llm:
         m.prepare(llm, opts, status=err.status)
@@ -283,7 +288,7 @@ def serve(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
     threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    max_exit_error: Optional[float] = OptMaxErr,
+    max_exit_error: Optional[float] = OptMaxErr, unsafe_exits: Optional[bool] = OptUnsafe,
     gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
     context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
 ) -> None:
@@ -305,7 +310,7 @@ def serve(
                             history=history,
                             provider=provider,
                             predictors=predictors, threshold=threshold, rule=exit_rule,
-                            max_exit_error=max_exit_error)
+                            max_exit_error=max_exit_error, unsafe=unsafe_exits)
     # bound before loading, so a taken port is one line now, not after a minute of loading
     try:
         sock = socket.create_server((host, port))

@@ -60,7 +60,8 @@ def test_threshold_one_reproduces_plain(bundle, small_llm):
 def test_exits_happen_and_are_reported(bundle, small_llm):
     out, _ = bundle
     res = small_llm.generate(PROMPTS[0], max_tokens=48, mode="ee",
-                             options=EEOptions(provider="ngram", predictors=str(out), threshold=0.05))
+                             options=EEOptions(provider="ngram", predictors=str(out), threshold=0.05,
+                                                 unsafe=True))
     n_exit = sum(res.stats.exit_layers.values())
     assert n_exit > 0 and all(18 <= l < 29 for l in res.stats.exit_layers)
     assert {"draft", "layers", "probe", "head"} <= set(res.stats.timings)

@@ -92,6 +92,21 @@ def test_ngram_candidates():
     assert top_k(np.array([0.1, 5.0, 3.0, 4.0]), 2).tolist() == [1, 3]
 
 
+def test_ngram_candidates_never_propose_an_exited_token():
+    """The feedback guard: an exit's token is context, not a continuation to propose."""
+    p = NgramCandidates(k=3, n_max=2)
+    p.reset([1, 2, 3])
+    p.accept(9, exited=True)          # "1 2 3" then an exited 9
+    p.accept(1), p.accept(2), p.accept(3)
+    assert p.propose().tolist() == []  # after "2 3": only the exited 9 followed
+    p.accept(7)                        # verified this time
+    p.accept(2), p.accept(3)
+    assert p.propose().tolist() == [7]
+    # n-grams ending in an exited token are still matched: "9" was followed by a real 1
+    p.accept(9)
+    assert p.propose().tolist() == [1]
+
+
 def test_spread_and_records(tmp_path):
     assert spread(10, 3) == [0, 3, 6] and spread(4, 0) == spread(4, 9) == [0, 1, 2, 3]
     f = tmp_path / "p.jsonl"
@@ -140,10 +155,20 @@ def test_exit_plan_from_curves_and_an_explicit_threshold():
     pred = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={"exit_curves": curves})
     th, rates, offline, note = exit_plan(pred, EEOptions(provider="ngram"))
     assert th == {5: 0.5} and rates == {5: 0.4} and offline == [5] and "exits at 1 of 2 layers" in note
+    # the held-out exits at the chosen thresholds: 40 fired, none wrong
+    assert "agreed with full depth 100.0%" in note
     th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", rule="candidate"))
     assert th == {} and "every token at full depth" in note
-    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", threshold=0.9))
+    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", threshold=0.9, unsafe=True))
     assert th == {5: 0.9, 6: 0.9} and "every layer" in note
+    # exits whose error is not measured against the target run only when asked for
+    with pytest.raises(SpeceeError, match="--threshold 0.9 exits without the quality target"):
+        EEOptions(provider="ngram", threshold=0.9)
+    assert EEOptions(threshold=1.0).threshold == 1.0     # never fires: nothing to risk
+    bare = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={})
+    with pytest.raises(SpeceeError, match="no exit curves.*--curves-only"):
+        exit_plan(bare, EEOptions(provider="ngram"))
+    assert exit_plan(bare, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.5, 6: 0.5}
     with pytest.raises(SpeceeError, match="max_exit_error"):
         EEOptions(max_exit_error=1.5)
 

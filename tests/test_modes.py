@@ -23,7 +23,7 @@ def test_builtin_modes_are_registered_without_loading_the_library():
     code = ("import sys, specee_cpp; from specee_cpp.engine import modes; "
             "print(modes.names(), 'llama_cpp' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['plain', 'spec', 'ee'] False"
+    assert out.stdout.strip() == "['plain', 'spec', 'ee', 'spec-ee'] False"
     assert not modes.get("ee").lossless and modes.get("spec").needs_draft
     with pytest.raises(SpeceeError, match="unknown mode 'fast'; modes: plain, spec, ee"):
         modes.get("fast")

@@ -15,6 +15,7 @@ from ..config import FIXED_GAMMAS
 from ..ee.mode import EEOptions
 from ..engine import modes
 from ..errors import SpeceeError
+from ..hyper.mode import SpecEEOptions
 from ..spec.mode import SpecOptions
 
 
@@ -68,13 +69,22 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 options=EEOptions(provider="draft", rule="candidate"), needs_draft=True),
     BenchConfig("ee-ngram-cand", "ours", False, mode="ee",
                 options=EEOptions(provider="ngram", rule="candidate")),
-    # the same at a looser quality target, and with the one 0.5 threshold of SpecEE's rule
+    # the same at looser quality targets, and with the one 0.5 threshold of SpecEE's rule
     # at every layer (what ee did before the quality target)
     *[BenchConfig(f"ee-{p}-e05", "ours", False, mode="ee",
                   options=EEOptions(provider=p, max_exit_error=0.05), needs_draft=p == "draft")
       for p in ("draft", "ngram")],
+    *[BenchConfig(f"ee-{p}-e02", "ours", False, mode="ee",
+                  options=EEOptions(provider=p, max_exit_error=0.02), needs_draft=p == "draft")
+      for p in ("draft", "ngram")],
+    # hyper-token exit in speculative verification (gamma 4), at two quality targets
+    BenchConfig("spec-ee", "ours", False, mode="spec-ee", options=SpecEEOptions(),
+                needs_draft=True),
+    BenchConfig("spec-ee-e05", "ours", False, mode="spec-ee",
+                options=SpecEEOptions(max_exit_error=0.05), needs_draft=True),
     *[BenchConfig(f"ee-{p}-t05", "ours", False, mode="ee",
-                  options=EEOptions(provider=p, threshold=0.5), needs_draft=p == "draft")
+                  options=EEOptions(provider=p, threshold=0.5, unsafe=True),
+                  needs_draft=p == "draft")
       for p in ("draft", "ngram")],
     _spec_simple("lcpp-draft-4", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
                  "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", draft=True),

@@ -2,7 +2,8 @@
 
 A provider follows the emitted tokens (``reset`` with the prompt, ``accept`` each token) and
 ``propose`` returns up to k candidate ids for the next token, in a fixed order (the order
-the features use at every probed layer of that token).
+the features use at every probed layer of that token). ``accept(token, exited=True)`` marks
+a token an early exit emitted: it was never checked at full depth.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class CandidateProvider(Protocol):
 
     def propose(self) -> np.ndarray: ...
 
-    def accept(self, token: int) -> None: ...
+    def accept(self, token: int, exited: bool = False) -> None: ...
 
 
 def top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -45,8 +46,10 @@ class DraftCandidates:
         self._logits = self.seq.prefill(prompt)
         self._pending = None
 
-    def accept(self, token: int) -> None:
-        # decoded lazily in propose(): the last token of a generation is never paid for
+    def accept(self, token: int, exited: bool = False) -> None:
+        # decoded lazily in propose(): the last token of a generation is never paid for.
+        # An exited token goes in like any other: the draft is a separate model, its next
+        # candidates are its own opinion, not a copy of the token
         self._pending = token
 
     def propose(self) -> np.ndarray:
@@ -58,7 +61,13 @@ class DraftCandidates:
 
 class NgramCandidates:
     """Prompt lookup: the tokens that followed the latest n-gram (n_max..1) earlier in the
-    context, most recent first. Free, and often empty (then nothing is probed)."""
+    context, most recent first. Free, and often empty (then nothing is probed).
+
+    Feedback guard: a token an early exit emitted is never proposed from where it stands.
+    Otherwise an exit's token becomes the next candidate after the same n-gram, the
+    predictor confirms its own earlier guess, and the output locks into a loop (measured:
+    the candidate rule's outputs degenerated into repetition before this). Such tokens
+    still count as context (the n-grams that end in them are matched)."""
 
     name = "ngram"
 
@@ -74,11 +83,12 @@ class NgramCandidates:
         for t in prompt:
             self.accept(t)
 
-    def accept(self, token: int) -> None:
-        # index the n-grams that end just before this token, pointing at it
+    def accept(self, token: int, exited: bool = False) -> None:
+        # index the n-grams that end just before this token, pointing at it (an exited
+        # token is not a continuation to propose: the feedback guard above)
         n_tok = len(self.tokens)
         for n in range(1, self.n_max + 1):
-            if n_tok >= n:
+            if n_tok >= n and not exited:
                 self._index[n].setdefault(tuple(self.tokens[n_tok - n:]), []).append(n_tok)
         self.tokens.append(token)
 

@@ -59,7 +59,7 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
         yield Step(token=token, exit_layer=exit_layer, timings=timings)
         out.append(token)
         t0 = clock()
-        provider.accept(token)
+        provider.accept(token, exited=exit_layer is not None)
         cand = provider.propose()
         t_draft = clock() - t0
         layers = scheduler.layers() if len(cand) and not looping(out[-LOOP_SPAN * LOOP_REPEATS:]) \

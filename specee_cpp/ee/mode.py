@@ -23,6 +23,9 @@ class EEOptions:
     # quality target: per layer, the lowest threshold whose held-out exits emitted another
     # token than full depth at most this often (layers that never do are not probed)
     max_exit_error: float = MAX_EXIT_ERROR
+    # exits whose error was not measured against the target (a forced threshold below 1, a
+    # bundle without exit curves) run only when asked for by name
+    unsafe: bool = False
 
     def __post_init__(self) -> None:
         if self.provider not in ("draft", "ngram"):
@@ -36,6 +39,11 @@ class EEOptions:
             raise SpeceeError(f"threshold must be in [0, 1] (1 never exits), got {self.threshold}")
         if not 0.0 <= self.max_exit_error < 1.0:
             raise SpeceeError(f"max_exit_error must be in [0, 1), got {self.max_exit_error}")
+        # a threshold of 1 never fires, so it cannot cost quality
+        if self.threshold is not None and self.threshold < 1.0 and not self.unsafe:
+            raise SpeceeError(f"--threshold {self.threshold} exits without the quality target "
+                              f"(its token error was never measured); use --max-exit-error, "
+                              f"or add --unsafe-exits to run it anyway")
         if self.predictors is not None:
             object.__setattr__(self, "predictors", Path(self.predictors))
 
@@ -92,6 +100,10 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
     curves = pred.meta.get("exit_curves")
     rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
     offline = pred.meta.get("offline", pred.layers)
+    if opts.threshold is None and not curves and not opts.unsafe:
+        raise SpeceeError(f"predictor bundle fitted on {pred.meta.get('created', '?')} has no "
+                          f"exit curves, so its exits' error is unknown: add them with "
+                          f"specee-cpp calibrate --curves-only, or add --unsafe-exits")
     if opts.threshold is not None or not curves:
         t = pred.threshold if opts.threshold is None else opts.threshold
         note = f"threshold {t} at every layer" + ("" if curves else " (bundle without exit curves)")
@@ -104,9 +116,25 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
         note = (f"no layer meets --max-exit-error {opts.max_exit_error} on the calibration "
                 f"data with the {opts.rule} rule: every token at full depth")
     else:
+        fires = sum(curves[opts.rule][str(l)][grid.index(t)][0] for l, t in thresholds.items())
+        wrong = sum(curves[opts.rule][str(l)][grid.index(t)][1] for l, t in thresholds.items())
         note = (f"exits at {len(thresholds)} of {len(pred.layers)} layers, those meeting "
-                f"--max-exit-error {opts.max_exit_error} ({opts.rule} rule)")
+                f"--max-exit-error {opts.max_exit_error} ({opts.rule} rule; held-out exits "
+                f"agreed with full depth {1 - wrong / max(fires, 1):.1%})")
     return thresholds, rates, offline, note
+
+
+def plan(llm, pred, opts: EEOptions):
+    """(threshold per probed layer, a fresh scheduler, note) for one generation: the exit
+    plan of these options and SpecEE's scheduler over the layers it allows."""
+    from .scheduler import Scheduler
+
+    thresholds, rates, offline, note = exit_plan(pred, opts)
+    sched = Scheduler(n_layer=llm.model.n_layer, offline=offline,
+                      allowed=set(thresholds), exit_rate=rates,
+                      layer_cost=pred.meta.get("layer_cost_s", 0.0),
+                      probe_cost=pred.meta.get("probe_cost_s", 0.0))
+    return thresholds, sched, note
 
 
 class EarlyExit(Mode):
@@ -117,7 +145,6 @@ class EarlyExit(Mode):
 
     def start(self, llm, sampling, opts):
         from .decode import generate_ee
-        from .scheduler import Scheduler
 
         if not sampling.greedy:
             raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
@@ -126,16 +153,12 @@ class EarlyExit(Mode):
 
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
-        thresholds, rates, offline, note = exit_plan(pred, opts)
-        sched = Scheduler(n_layer=llm.model.n_layer, offline=offline,
-                          allowed=set(thresholds), exit_rate=rates,
-                          layer_cost=pred.meta.get("layer_cost_s", 0.0),
-                          probe_cost=pred.meta.get("probe_cost_s", 0.0))
+        thresholds, sched, note = plan(llm, pred, opts)
         return lambda tokens: with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
                                                     thresholds, rule=opts.rule), note)
 
     def describe(self, opts) -> str:
-        target = (f"threshold {opts.threshold}" if opts.threshold is not None
+        target = (f"threshold {opts.threshold} --unsafe-exits" if opts.threshold is not None
                   else f"max-exit-error {opts.max_exit_error}")
         return f"specee-cpp --mode ee {opts.provider} {opts.rule} {target}"
 

@@ -31,8 +31,11 @@ class Scheduler:
     probe_cost: float = 0.0                 # seconds per probe (segment + predictor)
     recent: deque = field(default_factory=deque)
 
-    def layers(self) -> list[int]:
-        """Layers to probe for the next token, ascending."""
+    def layers(self, n_rows: int = 1) -> list[int]:
+        """Layers to probe for the next token (or a batch of ``n_rows`` that exits only
+        together: hyper/), ascending. A batch's exit chance at a layer is taken as the
+        token's to the power ``n_rows`` (rows taken as independent, which undercounts easy
+        stretches where they are not); costs per row and savings per row scale alike."""
         want = set(self.offline)
         for e in self.recent:
             want.update(e + d for d in self.spread)
@@ -43,7 +46,8 @@ class Scheduler:
             if self.allowed is not None and l not in self.allowed:
                 continue
             if self.probe_cost > 0 and self.layer_cost > 0:
-                saving = self.exit_rate.get(l, 0.0) * (self.n_layer - l) * self.layer_cost
+                saving = (self.exit_rate.get(l, 0.0) ** n_rows * (self.n_layer - l)
+                          * self.layer_cost)
                 if saving < self.probe_cost:
                     continue
             out.append(l)

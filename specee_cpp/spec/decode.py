@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from ..config import SamplingConfig
 from ..engine.sampling import probs
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
+from ..errors import SpeceeError
 from .policies import DraftPolicy, FixedGamma
 from .suffix import ContextSource
 
@@ -77,6 +78,21 @@ def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
     return 1.0 / total, float(np.log(total) - float(e @ z) / total)
 
 
+class Verifier(Protocol):
+    """Scores one round's batch in place of the full-depth decode (``hyper/``: SpecEE's early
+    exit inside verification). Greedy only.
+
+    ``tokens`` are the last emitted token and the drafted ones; ``rows`` the draft's logits
+    at each of those positions that the round read (the last drafted token's may be
+    missing: the draft has not decoded it; ``dft`` can). Returns the target's greedy token
+    after each drafted prefix (``target_at(i)``, asked up to the first mismatch) and the
+    layer the batch exited at (None: full depth). The target's cache holds ``tokens``
+    afterwards, complete at every layer, as after ``decode``."""
+
+    def __call__(self, tgt: Sequence, tokens: list[int], rows: list[np.ndarray],
+                 dft: Sequence) -> tuple[Callable[[int], int], int | None]: ...
+
+
 class Phases:
     """Seconds per phase of a round, so that the loop reads like the algorithm:
     ``with phases("draft"): ...``. Phases nest exclusively: time spent in an inner phase
@@ -105,7 +121,8 @@ class Phases:
 def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                   policy: DraftPolicy | int, sampling: SamplingConfig,
                   trace: Callable[[dict], None] | None = None,
-                  context: ContextSource | None = None) -> Iterator[Step]:
+                  context: ContextSource | None = None,
+                  verifier: Verifier | None = None) -> Iterator[Step]:
     """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
     a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
     model is brought up to date (one batch) when a round drafts again. ``trace``, if given,
@@ -113,11 +130,16 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     drafted token, the accepted count, draft and verify seconds): the profiling data of a
     draft-length controller. ``context``, if given, is a free drafter from the context that
     takes a round whenever its proposal is predicted to beat plain decoding; the draft model
-    (``dft``, None for a policy that never drafts) serves the others."""
+    (``dft``, None for a policy that never drafts) serves the others. ``verifier``, if
+    given (greedy only), scores the rounds the draft model drafted instead of a full-depth
+    decode; the other rounds stay exact."""
     if isinstance(policy, int):
         policy = FixedGamma(policy)
     rng = np.random.default_rng(sampling.seed)
     greedy = sampling.greedy
+    if verifier is not None and not greedy:
+        raise SpeceeError(f"a verifier scores greedy rounds only, not temperature "
+                          f"{sampling.temperature}")
     confidence = policy.needs_confidence or trace is not None
 
     def choose(seq: Sequence, logits: np.ndarray | None = None) -> tuple[int, np.ndarray | None]:
@@ -150,6 +172,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
             g_max = 0 if free else policy.plan()
         # 2. draft them, one at a time, while the policy keeps them
         draft, conf = list(free), []
+        rows: list[np.ndarray] = []   # the draft's logits at each position (for a verifier)
         # a free draft's tokens were "drawn" from one-hot distributions (the rejection rule's
         # q); greedy verification reads no q
         q = [None if greedy else one_hot(t, tgt) for t in free]
@@ -159,8 +182,10 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 dft.prefill(tgt.tokens + [token], read=False)
             for i in range(g_max):
                 lg = None
-                if confidence:
+                if confidence or verifier is not None:
                     lg = dft.logits()
+                    rows.append(lg)
+                if confidence:
                     top1, ent = draft_confidence(lg)
                     with ph("control"):
                         ok = policy.keep(i, top1, ent)
@@ -179,11 +204,17 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 dft.decode([tok])
         # 3. verify: the target scores every drafted token in one batch, keeps the
         #    longest acceptable prefix and adds its own next token
+        exit_layer = None
         with ph("verify" if draft else "decode"):
             if not draft:
                 tgt.decode([token])
                 nxt, _ = choose(tgt)
                 n_acc = 0
+            elif verifier is not None and not free:
+                target_at, exit_layer = verifier(tgt, [token] + draft, rows, dft)
+                n_acc, nxt = accept_greedy(draft, target_at)
+                tgt.rewind(base_t + 1 + n_acc)
+                dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
             else:
                 tgt.decode([token] + draft, all_outputs=True)
                 if greedy:  # no logits copied: the target's argmax per position, in C
@@ -212,9 +243,10 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                    "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,
                    "t_draft": ph.seconds["draft"], "t_verify": ph.seconds["verify"]})
         for tok in draft[:n_acc]:
-            yield Step(token=tok)
+            yield Step(token=tok, exit_layer=exit_layer)
         # a plain step may follow a draft whose first token was dropped (g_max > 0)
         timings = {k: ph.seconds.get(k, 0.0) for k in
                    ("draft", "verify" if draft else "decode", "control")}
-        yield Step(token=nxt, n_drafted=len(draft), n_accept=n_acc, timings=timings)
+        yield Step(token=nxt, exit_layer=exit_layer, n_drafted=len(draft), n_accept=n_acc,
+                   timings=timings)
         token = nxt

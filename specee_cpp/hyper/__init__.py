@@ -1,0 +1,1 @@
+"""Hyper-token exit: SpecEE early exit inside speculative verification (mode spec-ee)."""

@@ -1,0 +1,86 @@
+"""Mode ``spec-ee``: draft then verify, each verify batch allowed to exit early together
+(SpecEE's hyper-token). A mode of its own rather than an option of ``spec``: ``spec`` is
+lossless and says so to the benchmark and the tests, this one is lossy through its exits.
+
+It takes the draft's exit predictors (the candidates are the draft's top-k, as with
+``--mode ee --provider draft``) and their quality target, and the draft length of ``spec``.
+Drafting only from the draft model: a free draft from the context has no draft logits to
+probe with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import MAX_EXIT_ERROR, N_CAND
+from ..ee.mode import EEOptions
+from ..engine.modes import Mode, register
+from ..errors import SpeceeError
+from ..spec.mode import Gamma, SpecOptions
+
+
+@dataclass(frozen=True)
+class SpecEEOptions:
+    # tokens drafted per round, or a policy; a fixed length by default, because the cost
+    # model behind auto prices a full-depth verification (on a CPU it may never draft)
+    gamma: Gamma = 4
+    predictors: Path | None = None    # the draft provider's bundle; None: the one shipped
+    threshold: float | None = None    # one threshold for every layer (overrides the target)
+    rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
+    max_exit_error: float = MAX_EXIT_ERROR
+    unsafe: bool = False              # as for mode ee: a forced threshold needs it
+
+    def __post_init__(self) -> None:
+        _ = (self.spec, self.ee)   # each checks its own fields (one error, one place)
+
+    @property
+    def spec(self) -> SpecOptions:
+        return SpecOptions(gamma=self.gamma, context=False)
+
+    @property
+    def ee(self) -> EEOptions:
+        return EEOptions(provider="draft", predictors=self.predictors, threshold=self.threshold,
+                         rule=self.rule, k=N_CAND, max_exit_error=self.max_exit_error,
+                         unsafe=self.unsafe)
+
+
+class SpecEE(Mode):
+    name = "spec-ee"
+    Options = SpecEEOptions
+    needs_draft = True
+    lossless = False
+    help = "draft then verify, the verify batch exiting early together (greedy; lossy)"
+
+    def start(self, llm, sampling, opts):
+        from ..ee.mode import plan, predictors
+        from ..engine.steps import with_note
+        from ..spec.decode import generate_spec
+        from ..spec.mode import draft_policy
+        from .verify import HyperVerifier
+
+        if not sampling.greedy:
+            raise SpeceeError("mode spec-ee decodes greedily (early exit changes the "
+                              f"distribution); got temperature {sampling.temperature}")
+        if llm.draft_path is None:
+            raise SpeceeError("mode spec-ee needs a draft model (--draft)")
+        pred = predictors(llm, opts.ee)
+        policy = draft_policy(llm, opts.spec)
+        note_gamma = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
+                      + ("" if not policy.plan_is_plain else
+                         ": never drafts on this machine's measured costs (plain decoding)"))
+
+        def run(tokens):
+            thresholds, sched, note = plan(llm, pred, opts.ee)
+            verifier = HyperVerifier(pred, sched, thresholds, opts.rule)
+            return with_note(generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling,
+                                           verifier=verifier), f"{note_gamma}; {note}")
+
+        return run
+
+    def describe(self, opts) -> str:
+        target = (f"threshold {opts.threshold} --unsafe-exits" if opts.threshold is not None
+                  else f"max-exit-error {opts.max_exit_error}")
+        return f"specee-cpp --mode spec-ee gamma {opts.gamma} {opts.rule} {target}"
+
+
+register(SpecEE())
