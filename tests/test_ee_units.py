@@ -78,6 +78,9 @@ def test_scheduler_rules():
     s3 = Scheduler(n_layer=28, offline=[15, 21], exit_rate={15: 0.01, 21: 0.3},
                    layer_cost=1e-3, probe_cost=5e-4)
     assert s3.layers() == [21]
+    # a batch of rows that exits only together: 0.3 ** 2 * 7 layers * 1 ms > 0.5 ms probe,
+    # 0.3 ** 4 * 7 ms < 0.5 ms
+    assert s3.layers(n_rows=2) == [21] and s3.layers(n_rows=4) == []
 
 
 def test_ngram_candidates():

@@ -137,6 +137,18 @@ def plan(llm, pred, opts: EEOptions):
     return thresholds, sched, note
 
 
+def require_greedy(mode: str, sampling) -> None:
+    if not sampling.greedy:
+        raise SpeceeError(f"mode {mode} decodes greedily (early exit changes the distribution); "
+                          f"got temperature {sampling.temperature}")
+
+
+def describe_target(opts) -> str:
+    """A benchmark table's words for the exit setting of ``opts`` (ee's or spec-ee's)."""
+    return (f"threshold {opts.threshold} --unsafe-exits" if opts.threshold is not None
+            else f"max-exit-error {opts.max_exit_error}")
+
+
 class EarlyExit(Mode):
     name = "ee"
     Options = EEOptions
@@ -146,10 +158,9 @@ class EarlyExit(Mode):
     def start(self, llm, sampling, opts):
         from .decode import generate_ee
 
-        if not sampling.greedy:
-            raise SpeceeError("mode ee decodes greedily (early exit changes the distribution); "
-                              f"got temperature {sampling.temperature}")
         from ..engine.steps import with_note
+
+        require_greedy(self.name, sampling)
 
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
@@ -158,9 +169,7 @@ class EarlyExit(Mode):
                                                     thresholds, rule=opts.rule), note)
 
     def describe(self, opts) -> str:
-        target = (f"threshold {opts.threshold} --unsafe-exits" if opts.threshold is not None
-                  else f"max-exit-error {opts.max_exit_error}")
-        return f"specee-cpp --mode ee {opts.provider} {opts.rule} {target}"
+        return f"specee-cpp --mode ee {opts.provider} {opts.rule} {describe_target(opts)}"
 
 
 register(EarlyExit())

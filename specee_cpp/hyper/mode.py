@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import MAX_EXIT_ERROR, N_CAND
-from ..ee.mode import EEOptions
-from ..engine.modes import Mode, register
+from ..ee.mode import EEOptions, describe_target
+from ..engine.modes import Mode, no_status, register
 from ..errors import SpeceeError
 from ..spec.mode import Gamma, SpecOptions
 
@@ -52,15 +52,13 @@ class SpecEE(Mode):
     help = "draft then verify, the verify batch exiting early together (greedy; lossy)"
 
     def start(self, llm, sampling, opts):
-        from ..ee.mode import plan, predictors
+        from ..ee.mode import plan, predictors, require_greedy
         from ..engine.steps import with_note
         from ..spec.decode import generate_spec
         from ..spec.mode import draft_policy
         from .verify import HyperVerifier
 
-        if not sampling.greedy:
-            raise SpeceeError("mode spec-ee decodes greedily (early exit changes the "
-                              f"distribution); got temperature {sampling.temperature}")
+        require_greedy(self.name, sampling)
         if llm.draft_path is None:
             raise SpeceeError("mode spec-ee needs a draft model (--draft)")
         pred = predictors(llm, opts.ee)
@@ -77,10 +75,14 @@ class SpecEE(Mode):
 
         return run
 
+    def prepare(self, llm, opts, status=no_status) -> None:
+        from ..engine import modes
+
+        modes.get("spec").prepare(llm, opts.spec, status)   # a cost-aware gamma's table
+
     def describe(self, opts) -> str:
-        target = (f"threshold {opts.threshold} --unsafe-exits" if opts.threshold is not None
-                  else f"max-exit-error {opts.max_exit_error}")
-        return f"specee-cpp --mode spec-ee gamma {opts.gamma} {opts.rule} {target}"
+        return (f"specee-cpp --mode spec-ee gamma {opts.gamma} {opts.rule} "
+                f"{describe_target(opts)}")
 
 
 register(SpecEE())
