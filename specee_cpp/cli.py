@@ -132,7 +132,9 @@ OptHistory = typer.Option(None, "--history/--no-history",
                                "safe to delete). Default: off.")
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
-OptProvider = typer.Option(None, "--provider", help="ee candidates: draft (default) or ngram.")
+OptProvider = typer.Option(None, "--provider",
+                           help="ee candidates: draft (default with a draft model) or ngram "
+                                "(default without).")
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
 OptMaxErr = typer.Option(None, "--max-exit-error",

@@ -51,8 +51,9 @@ def test_threshold_one_reproduces_plain(bundle, small_llm):
     out, _ = bundle
     for prompt in PROMPTS[:3]:
         plain = small_llm.generate(prompt, max_tokens=40)
+        # no provider named and no draft loaded: the n-gram candidates
         ee = small_llm.generate(prompt, max_tokens=40, mode="ee",
-                                options=EEOptions(provider="ngram", predictors=str(out), threshold=1.0))
+                                options=EEOptions(predictors=str(out), threshold=1.0))
         assert ee.tokens == plain.tokens
         assert ee.stats.exit_layers == {}
 

@@ -172,6 +172,17 @@ def test_exit_plan_from_curves_and_an_explicit_threshold():
     with pytest.raises(SpeceeError, match="no exit curves.*--curves-only"):
         exit_plan(bare, EEOptions(provider="ngram"))
     assert exit_plan(bare, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.5, 6: 0.5}
+    # measured end to end (scripts/record_exit_error.py): refused at a target the exits
+    # missed by more than two standard errors, allowed within them or at another target
+    pred.meta["end_to_end"] = {"argmax": {
+        "0.01": {"exit_error": 0.045, "se": 0.008, "n_exits": 610, "source": "bench X"},
+        "0.02": {"exit_error": 0.025, "se": 0.004, "n_exits": 900, "source": "bench X"}}}
+    with pytest.raises(SpeceeError, match=r"measured at 4.5% wrong .*bench X.*--unsafe-exits"):
+        exit_plan(pred, EEOptions(provider="ngram"))
+    assert exit_plan(pred, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.5}
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.02))[0]
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.03))[0]
+    assert exit_plan(pred, EEOptions(provider="ngram", rule="candidate"))[0] == {}
     with pytest.raises(SpeceeError, match="max_exit_error"):
         EEOptions(max_exit_error=1.5)
 

@@ -131,3 +131,26 @@ def test_spec_ee_errors(pair, bundle, small_llm, tmp_path):
     pred.save(ngram)
     with pytest.raises(SpeceeError, match="ngram provider, not draft"):
         pair.generate("hi", max_tokens=2, mode="spec-ee", options=SpecEEOptions(predictors=ngram))
+
+
+def test_bench_reports_drafts_and_exits_of_spec_ee(small_model, bundle, tmp_path, monkeypatch):
+    """The benchmark's record of a mode that both drafts and exits carries both."""
+    import json
+
+    from specee_cpp.bench import configs
+    from specee_cpp.bench.suite import BenchOptions, run
+
+    cfg = configs.BenchConfig("spec-ee-smol", "ours", False, mode="spec-ee", needs_draft=True,
+                              options=SpecEEOptions(gamma=3, predictors=bundle, threshold=0.05,
+                                                    unsafe=True))
+    monkeypatch.setitem(configs.CONFIGS, cfg.name, cfg)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "qa", "turns": [CALIB[0]]}) + "\n")
+    opts = BenchOptions(model=str(small_model), draft=str(small_model), prompts=str(prompts),
+                        configs=cfg.name, per_category=1, max_tokens=32, exclude_calibration=0,
+                        out=str(tmp_path / "q"), threads=2, n_ctx=512)
+    s = run(opts, lambda *a: None)
+    e = s["configs"][cfg.name]
+    assert e["n_drafted"] > 0 and e["acceptance"] is not None
+    assert e["exit_ratio"] > 0 and 18 <= e["mean_exit_layer"] < 29
+    assert e["agreement"] is not None    # lossy: agreement with plain is measured

@@ -7,12 +7,13 @@ measured; a stopped run keeps everything measured and a rerun with the same file
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from ..engine import modes
 from ..engine.llm import LLM
 from ..engine.steps import stop_at
 from ..errors import SpeceeError
@@ -114,11 +115,15 @@ class Runner:
             agree = None
             if c.mode == "plain" or not c.lossless:  # after the timed part
                 agree = agreement(llm, llm.prompt_tokens(prompt, chat=p.chat), res.tokens)
+            # a draft-then-verify mode (it has a draft length) reports its drafts, even none;
+            # a lossy mode its exits (early exit is how our modes lose)
+            drafts = "gamma" in {f.name for f in fields(c.mode_options)}
+            exits = not modes.get(c.mode).lossless
             return {"text": res.text, "n_prompt": s.n_prompt, "prefill_s": s.prefill_s,
                     "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": s.n_decode,
-                    "n_drafted": s.n_drafted if c.mode == "spec" else None,
-                    "n_accept": s.n_accept if c.mode == "spec" else None,
-                    "n_exit": sum(s.exit_layers.values()) if c.mode == "ee" else None,
+                    "n_drafted": s.n_drafted if drafts else None,
+                    "n_accept": s.n_accept if drafts else None,
+                    "n_exit": sum(s.exit_layers.values()) if exits else None,
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
                     "control_s": s.timings.get("control", 0.0),
                     "finish_reason": s.finish_reason, "agreement": agree}

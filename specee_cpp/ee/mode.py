@@ -2,7 +2,7 @@
 (kept with ``LLM.cached``): the exit predictor bundle, checked against the target."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import MAX_EXIT_ERROR, N_CAND
@@ -15,7 +15,8 @@ from ..paths import BUNDLE_DIR
 class EEOptions:
     """Early exit (SpecEE) settings; ``None`` fields come from the predictor bundle."""
 
-    provider: str = "draft"           # draft | ngram
+    # draft | ngram; None: the draft's top-k when a draft model is loaded, else the n-grams
+    provider: str | None = None
     predictors: Path | None = None    # bundle path; None: the one shipped for the target
     threshold: float | None = None    # one threshold for every layer (overrides the target)
     rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
@@ -28,7 +29,7 @@ class EEOptions:
     unsafe: bool = False
 
     def __post_init__(self) -> None:
-        if self.provider not in ("draft", "ngram"):
+        if self.provider not in (None, "draft", "ngram"):
             raise SpeceeError(f"unknown candidate provider {self.provider!r}; use draft or ngram")
         if self.rule not in ("argmax", "candidate"):
             raise SpeceeError(f"unknown exit rule {self.rule!r}; use argmax or candidate")
@@ -86,8 +87,27 @@ def predictors(llm, opts: EEOptions):
         raise SpeceeError(f"predictor bundle {path.name} uses k={pred.k}, not k={opts.k}")
     if pred.meta.get("provider") != opts.provider:
         raise SpeceeError(f"predictor bundle was fitted with the {pred.meta.get('provider')} "
-                          f"provider, not {opts.provider}")
+                          f"provider, not {opts.provider} (--provider {pred.meta.get('provider')})")
     return pred
+
+
+def check_end_to_end(pred, opts: EEOptions) -> None:
+    """Refuse (without ``unsafe``) a provider and rule whose exits, at this quality target,
+    were measured end to end above it: the bundle's ``end_to_end`` record (written by
+    scripts/record_exit_error.py from benchmark runs on held-out prompts) says how often
+    exits disagreed with full depth there. The held-out calibration curves choose the
+    thresholds, but they are few prompts; this is the larger check. Refused only when the
+    estimate is above the target by more than two standard errors."""
+    if opts.unsafe:
+        return
+    m = pred.meta.get("end_to_end", {}).get(opts.rule, {}).get(f"{opts.max_exit_error:g}")
+    if m and m["exit_error"] - 2 * m["se"] > opts.max_exit_error:
+        raise SpeceeError(
+            f"the {opts.provider} provider's exits with the {opts.rule} rule were measured at "
+            f"{m['exit_error']:.1%} wrong (+-{m['se']:.1%}, {m['n_exits']} exits on held-out "
+            f"prompts, {m.get('runs', m['source'])}), above --max-exit-error "
+            f"{opts.max_exit_error:g}; "
+            f"use another --provider or --exit-rule, or add --unsafe-exits")
 
 
 def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float], list[int], str]:
@@ -108,6 +128,7 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
         t = pred.threshold if opts.threshold is None else opts.threshold
         note = f"threshold {t} at every layer" + ("" if curves else " (bundle without exit curves)")
         return {l: t for l in pred.layers}, rates, offline, note
+    check_end_to_end(pred, opts)
     thresholds = choose_thresholds(curves, opts.rule, opts.max_exit_error)
     grid, n = curves["grid"], max(curves["n_tokens"], 1)
     rates = {l: curves[opts.rule][str(l)][grid.index(t)][0] / n for l, t in thresholds.items()}
@@ -145,8 +166,9 @@ def require_greedy(mode: str, sampling) -> None:
 
 def describe_target(opts) -> str:
     """A benchmark table's words for the exit setting of ``opts`` (ee's or spec-ee's)."""
-    return (f"threshold {opts.threshold} --unsafe-exits" if opts.threshold is not None
-            else f"max-exit-error {opts.max_exit_error}")
+    return ((f"threshold {opts.threshold}" if opts.threshold is not None
+             else f"max-exit-error {opts.max_exit_error}")
+            + (" --unsafe-exits" if opts.unsafe else ""))
 
 
 class EarlyExit(Mode):
@@ -162,6 +184,8 @@ class EarlyExit(Mode):
 
         require_greedy(self.name, sampling)
 
+        if opts.provider is None:
+            opts = replace(opts, provider="draft" if llm.draft_path is not None else "ngram")
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
         thresholds, sched, note = plan(llm, pred, opts)
@@ -169,7 +193,8 @@ class EarlyExit(Mode):
                                                     thresholds, rule=opts.rule), note)
 
     def describe(self, opts) -> str:
-        return f"specee-cpp --mode ee {opts.provider} {opts.rule} {describe_target(opts)}"
+        return (f"specee-cpp --mode ee {opts.provider or 'auto'} {opts.rule} "
+                f"{describe_target(opts)}")
 
 
 register(EarlyExit())
