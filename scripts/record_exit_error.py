@@ -64,25 +64,22 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
     args = ap.parse_args()
 
+    from specee_cpp.ee.mode import bundle_path
     from specee_cpp.ee.predictor import Predictors
-    from specee_cpp.models.pull import pull
-    from specee_cpp.models.registry import load_registry
+    from specee_cpp.engine.llm import resolve
     from specee_cpp.models.pull import file_sha256
-    from specee_cpp.paths import BUNDLE_DIR
 
     runs = [json.loads(p.read_text()) for p in args.summaries]
     targets = {r["settings"]["model"] for r in runs}
     if len(targets) != 1:
         sys.exit(f"error: the runs measure different targets: {sorted(targets)}")
-    target = targets.pop()
-    path = Path(target) if target.endswith(".gguf") else pull(load_registry().get(target))
-    sha = file_sha256(path)
+    sha = file_sha256(resolve(targets.pop()))
     for (provider, rule, t), m in sorted(estimates(runs).items()):
         print(f"{provider:6s} {rule:9s} target {t}: exits {m['exit_error']:.2%} wrong "
               f"(+-{m['se']:.2%}, {m['n_exits']} exits)")
         if args.dry_run:
             continue
-        bundle = BUNDLE_DIR / f"{sha[:16]}.{provider}.npz"
+        bundle = bundle_path(sha, provider)
         pred = Predictors.load(bundle)
         pred.meta.setdefault("end_to_end", {}).setdefault(rule, {})[t] = m
         pred.save(bundle)

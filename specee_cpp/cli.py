@@ -366,7 +366,7 @@ def calibrate(
     cfg = CalibConfig(n_tokens=n_tokens, min_layer=min_layer, threshold=threshold)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
         cands = candidates(llm, provider, cfg.k)
-        out = out or bundle_path(llm, provider)
+        out = out or bundle_path(llm.model.sha256, provider)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("calibrating", total=len(texts))

@@ -49,9 +49,9 @@ class EEOptions:
             object.__setattr__(self, "predictors", Path(self.predictors))
 
 
-def bundle_path(llm, provider: str) -> Path:
-    """Where the shipped (or default calibrated) exit predictors for this target live."""
-    return BUNDLE_DIR / f"{llm.model.sha256[:16]}.{provider}.npz"
+def bundle_path(target_sha256: str, provider: str) -> Path:
+    """Where the shipped (or default calibrated) exit predictors for a target live."""
+    return BUNDLE_DIR / f"{target_sha256[:16]}.{provider}.npz"
 
 
 def candidates(llm, provider: str, k: int = N_CAND):
@@ -71,7 +71,7 @@ def predictors(llm, opts: EEOptions):
     """The exit predictors for this target and provider (checked against the target)."""
     from .predictor import Predictors
 
-    path = opts.predictors or bundle_path(llm, opts.provider)
+    path = opts.predictors or bundle_path(llm.model.sha256, opts.provider)
 
     def make():
         if opts.predictors is None and not path.is_file():
@@ -130,15 +130,17 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
         return {l: t for l in pred.layers}, rates, offline, note
     check_end_to_end(pred, opts)
     thresholds = choose_thresholds(curves, opts.rule, opts.max_exit_error)
-    grid, n = curves["grid"], max(curves["n_tokens"], 1)
-    rates = {l: curves[opts.rule][str(l)][grid.index(t)][0] / n for l, t in thresholds.items()}
+    # (fires, wrong) of each chosen layer at its threshold, on the held-out tokens
+    chosen = {l: curves[opts.rule][str(l)][curves["grid"].index(t)]
+              for l, t in thresholds.items()}
+    rates = {l: fires / max(curves["n_tokens"], 1) for l, (fires, _) in chosen.items()}
     offline = offline_layers(rates)
     if not thresholds:
         note = (f"no layer meets --max-exit-error {opts.max_exit_error} on the calibration "
                 f"data with the {opts.rule} rule: every token at full depth")
     else:
-        fires = sum(curves[opts.rule][str(l)][grid.index(t)][0] for l, t in thresholds.items())
-        wrong = sum(curves[opts.rule][str(l)][grid.index(t)][1] for l, t in thresholds.items())
+        fires = sum(f for f, _ in chosen.values())
+        wrong = sum(w for _, w in chosen.values())
         note = (f"exits at {len(thresholds)} of {len(pred.layers)} layers, those meeting "
                 f"--max-exit-error {opts.max_exit_error} ({opts.rule} rule; held-out exits "
                 f"agreed with full depth {1 - wrong / max(fires, 1):.1%})")

@@ -210,15 +210,14 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 tgt.decode([token])
                 nxt, _ = choose(tgt)
                 n_acc = 0
-            elif verifier is not None and not free:
-                target_at, exit_layer = verifier(tgt, [token] + draft, rows, dft)
-                n_acc, nxt = accept_greedy(draft, target_at)
-                tgt.rewind(base_t + 1 + n_acc)
-                dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
             else:
-                tgt.decode([token] + draft, all_outputs=True)
-                if greedy:  # no logits copied: the target's argmax per position, in C
-                    n_acc, nxt = accept_greedy(draft, tgt.argmax)
+                if verifier is not None and not free:
+                    target_at, exit_layer = verifier(tgt, [token] + draft, rows, dft)
+                else:
+                    tgt.decode([token] + draft, all_outputs=True)
+                    target_at = tgt.argmax   # no logits copied: the argmax per position, in C
+                if greedy:
+                    n_acc, nxt = accept_greedy(draft, target_at)
                 else:
                     p = np.stack([probs(tgt.logits(j), sampling)
                                   for j in range(len(draft) + 1)])
