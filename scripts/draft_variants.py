@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Draft variants for this machine's kernels: cost and acceptance of each requantized draft.
+"""Draft variants for this machine's kernels: cost and acceptance of each cheaper draft.
 
-For each llama.cpp type the draft is requantized to (`NAME:TYPE`, made once and cached),
+For each variant of the draft (`NAME:TYPE` requantized with llama.cpp's quantizer,
+`NAME:vN` with its LM head cut to the N most frequent tokens, or `NAME:TYPE:vN`; made once
+and cached),
 this measures the cost table against the target (`specee-cpp costs`: a draft token in
 target tokens, verification of 2/4/8) and runs `specee-cpp bench` with a fixed draft length
 on held-out dev prompts for the acceptance, then writes one table with this command into
 docs/BENCHMARKS.md. A cheaper draft pays only where verification is cheap enough too: the
 table says which side stops drafting on this machine.
 
-    python scripts/draft_variants.py --types Q4_K_M,Q4_0,IQ4_NL,Q8_0 --gamma 3
+    python scripts/draft_variants.py --variants Q4_K_M,v32k,v16k,v8k,IQ4_NL,IQ4_NL:v16k
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,12 +27,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--types", default="Q4_K_M,Q4_0,IQ4_NL,Q8_0",
-                    help="draft types; the registry file's own type is the draft as shipped")
+    ap.add_argument("--variants", "--types", default="Q4_K_M,Q4_0,IQ4_NL,Q8_0",
+                    help="draft variants: TYPE, vN (reduced head) or TYPE:vN; the registry "
+                         "file's own type is the draft as shipped")
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--fresh", action="store_true",
+                    help="measure acceptance again (default: reuse docs/bench/draft-*.jsonl "
+                         "records of this machine and build)")
     ns = ap.parse_args()
 
     from specee_cpp.bench.report import write_section
@@ -41,37 +48,56 @@ def main() -> int:
     from specee_cpp.spec.mode import cost_model
 
     shipped = load_registry().get(ns.draft).quant
-    rows, where = [], None
-    for qtype in ns.types.split(","):
+    rows, where, accepted = [], None, {}
+    for qtype in ns.variants.split(","):
         name = ns.draft if qtype == shipped else f"{ns.draft}:{qtype}"
         print(f"[variants] {name}: costs", file=sys.stderr)
         with LLM(ns.target, draft=name, config=LoadConfig()) as llm:
             table = cost_model(llm)
             mb = llm.draft_path.stat().st_size / 2**20
+            n_head = llm.dft.model.n_head or llm.dft.model.n_vocab
         c = table.points[0]
         v1, where = c.plain, table.machine
         print(f"[variants] {name}: acceptance (spec-{ns.gamma})", file=sys.stderr)
-        out = REPO / "docs" / "bench" / f"draft-{qtype}"
+        out = REPO / "docs" / "bench" / f"draft-{qtype.replace(':', '-')}"
         s = run(BenchOptions(model=ns.target, draft=name, configs=f"spec-{ns.gamma}",
                              per_category=ns.per_category, max_tokens=ns.max_tokens,
-                             max_prompt_tokens=256, out=str(out)))
+                             max_prompt_tokens=256, out=str(out), fresh=ns.fresh))
         e = s["configs"][f"spec-{ns.gamma}"]
+        accepted[qtype] = {"acceptance": round(e["acceptance"] or 0.0, 4), "gamma": ns.gamma,
+                           "drafted": e.get("n_drafted"), "prompts": e.get("prompts"),
+                           "draft_token_ratio_where_measured": round(c.draft_token_s / v1, 3)}
         best = max(range(1, 9), key=lambda g: c.expected_tps(e["acceptance"] or 0, g))
         rows.append(f"| {qtype}{' (shipped)' if qtype == shipped else ''} | {mb:.0f} | "
+                    f"{n_head} | "
                     f"{c.draft_token_s / v1:.2f} | "
                     + " / ".join(f"{c.verify(n) / v1:.2f}" for n in (2, 4, 8))
                     + f" | {e['acceptance']:.3f} | {e['speedup']:.3f} | "
                     f"{c.expected_tps(e['acceptance'] or 0, best) * v1:.2f} (gamma {best}) |")
-    head = ("| draft type | MiB | draft token / target token | verify 2 / 4 / 8 | "
+    head = ("| draft variant | MiB | head rows | draft token / target token | verify 2 / 4 / 8 | "
             f"acceptance (gamma {ns.gamma}) | spec-{ns.gamma} vs plain (measured) | "
             "best predicted vs plain |")
-    table_md = "\n".join([head, "|---|---|---|---|---|---|---|", *rows])
+    table_md = "\n".join([head, "|---|---|---|---|---|---|---|---|", *rows])
     print(table_md)
     if not ns.no_write:
         cmd = "python scripts/draft_variants.py " + " ".join(sys.argv[1:])
+        # what `--draft NAME:auto` chooses from (spec/variants.py): acceptance is the
+        # models' (dev prompts); every machine measures its own costs
+        from specee_cpp.models.pull import file_sha256
+        from specee_cpp.models.registry import resolve_model
+        from specee_cpp.spec.variants import record_path
+
+        rec = record_path(file_sha256(resolve_model(ns.draft)))
+        rec.write_text(json.dumps({"draft": ns.draft, "shipped": shipped, "target": ns.target,
+                                   "variants": accepted, "source": cmd,
+                                   "split": "held-out Spec-Bench dev prompts (dev data)",
+                                   "measured_on": describe(where),
+                                   "date": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
         write_section(REPO / "docs" / "BENCHMARKS.md", "Draft variants for this machine's kernels",
-                      f"`{cmd}`: each draft type made from the shipped "
-                      f"{ns.draft} ({shipped}) with llama.cpp's quantizer (`NAME:TYPE`); costs "
+                      f"`{cmd}`: each variant made from the shipped "
+                      f"{ns.draft} ({shipped}): `TYPE` with llama.cpp's quantizer, `vN` with "
+                      f"the LM head cut to the N most frequent tokens (FR-Spec; ranking "
+                      f"from `scripts/head_vocab.py`, dev data + code corpus); costs "
                       f"from `specee-cpp costs` (128-token context, target "
                       f"{ns.target}); acceptance and measured speed from `specee-cpp bench "
                       f"--configs spec-{ns.gamma} --per-category {ns.per_category} "

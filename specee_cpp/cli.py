@@ -106,7 +106,9 @@ def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> Sampli
     return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-OptDraft = typer.Option(None, "--draft", "-d", help="Draft model: registry name or .gguf path.")
+OptDraft = typer.Option(None, "--draft", "-d", help=(
+    "Draft model: registry name or .gguf path; NAME:TYPE requantized, NAME:vN with its head cut "
+    "to the N most frequent tokens, NAME:auto the variant this machine's costs favour."))
 OptMaxTokens = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate.")
 OptTemp = typer.Option(0.0, "--temperature", "-t", help="0 is greedy (deterministic).")
 OptTopK = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0: all).")
@@ -533,7 +535,7 @@ def costs(
     long context, and show which draft length it would choose at each acceptance rate
     (the policies read it at the current context length, interpolated)."""
     from .engine.llm import LLM
-    from .spec.mode import cost_model
+    from .spec.mode import choose_variant, cost_model
     from .spec.simulate import gpu_like as gpu_shape
 
     model, draft = _default_pair(model, draft)
@@ -541,9 +543,12 @@ def costs(
         raise SpeceeError("costs compares a draft with its target: pass --draft")
 
     with LLM(model, draft=draft, config=_load_config(N_CTX_COSTS, threads, 0)) as llm:
+        chosen = choose_variant(llm, err.status) if llm.draft_auto else ""
         with err.status("measuring target batches 1..16 and draft tokens (once, then cached)"):
             cm = cost_model(llm)
         bpw = llm.model.bits_per_weight
+    if chosen:
+        err.print(f"NAME:auto chose: {chosen}")
     from .provenance import describe
 
     err.print(f"measured on: {describe(cm.machine)}")

@@ -10,7 +10,7 @@ import ctypes
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 5
+REQUIRED_PATCH_VERSION = 6
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -36,7 +36,12 @@ def _bind(name: str, argtypes: list, restype):
 # int32_t llama_specee_patch_version(void);
 llama_specee_patch_version = _bind("llama_specee_patch_version", [], ctypes.c_int32)
 
-# checked before the other symbols: an older patched build lacks some and is told so
+# an older patched build lacks later symbols: say which version it is, before binding them
+PATCH_VERSION = llama_specee_patch_version()
+if PATCH_VERSION < REQUIRED_PATCH_VERSION:
+    raise LibraryError(f"{lib_path} has specee-cpp patch version {PATCH_VERSION}, this package "
+                       f"needs {REQUIRED_PATCH_VERSION}; {BUILD_HINT}")
+
 # bool llama_specee_arch_supported(const char * name);
 llama_specee_arch_supported = _bind("llama_specee_arch_supported", [ctypes.c_char_p],
                                     ctypes.c_bool)
@@ -44,6 +49,9 @@ llama_specee_arch_supported = _bind("llama_specee_arch_supported", [ctypes.c_cha
 # int32_t llama_specee_argmax(struct llama_context * ctx, int32_t i);
 llama_specee_argmax = _bind("llama_specee_argmax", [ll.llama_context_p_ctypes, ctypes.c_int32],
                             ctypes.c_int32)
+
+# int32_t llama_specee_head_n(const struct llama_model * model);
+llama_specee_head_n = _bind("llama_specee_head_n", [ll.llama_model_p_ctypes], ctypes.c_int32)
 
 # int32_t llama_specee_set_layer_inp(struct llama_context * ctx, int32_t il, bool enable);
 llama_specee_set_layer_inp = _bind(
@@ -89,7 +97,44 @@ llama_specee_stage_hidden = _bind("llama_specee_stage_hidden", [_ctx_p],
 # size_t llama_specee_stage_bytes(const struct llama_context * ctx);
 llama_specee_stage_bytes = _bind("llama_specee_stage_bytes", [_ctx_p], ctypes.c_size_t)
 
-PATCH_VERSION = llama_specee_patch_version()
-if PATCH_VERSION < REQUIRED_PATCH_VERSION:
-    raise LibraryError(f"{lib_path} has specee-cpp patch version {PATCH_VERSION}, this package "
-                       f"needs {REQUIRED_PATCH_VERSION}; {BUILD_HINT}")
+
+# The CPU backend's thread pool (ggml-cpu.h; not declared by llama-cpp-python). Without one
+# attached, every graph compute makes a disposable pool: under OpenMP a small allocation, in
+# a build without OpenMP (macOS clang, say) n_threads - 1 new threads per decode.
+_GGML_MAX_N_THREADS = 512
+
+
+class ggml_threadpool_params(ctypes.Structure):
+    _fields_ = [("cpumask", ctypes.c_bool * _GGML_MAX_N_THREADS), ("n_threads", ctypes.c_int),
+                ("prio", ctypes.c_int), ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+def _ggml_cpu():
+    """(ggml_threadpool_params_default, ggml_threadpool_new) or None where the CPU backend is
+    not a library of its own (a build with dynamically loaded backend variants)."""
+    import pathlib
+
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    base = pathlib.Path(ll.__file__).parent / "lib"
+    try:
+        ggml = load_shared_library("ggml-base", base)
+        cpu = load_shared_library("ggml-cpu", base)
+        default, new = ggml.ggml_threadpool_params_default, cpu.ggml_threadpool_new
+    except (OSError, FileNotFoundError, RuntimeError, AttributeError):
+        return None
+    default.argtypes, default.restype = [ctypes.c_int], ggml_threadpool_params
+    new.argtypes, new.restype = [ctypes.POINTER(ggml_threadpool_params)], ctypes.c_void_p
+    return default, new
+
+
+GGML_CPU = _ggml_cpu()
+
+# void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
+#                              ggml_threadpool_t threadpool_batch);
+llama_attach_threadpool = _bind("llama_attach_threadpool", [_ctx_p, ctypes.c_void_p,
+                                                            ctypes.c_void_p], None)
+
+# void llama_detach_threadpool(struct llama_context * ctx);
+llama_detach_threadpool = _bind("llama_detach_threadpool", [_ctx_p], None)

@@ -40,8 +40,11 @@ ll.llama_backend_init()
 
 def _last_error() -> str:
     lines = [ln.strip() for ln in "".join(_LOG).splitlines() if ln.strip()]
+    # llama.cpp logs the loader's reason ("error loading model: ...") before a generic
+    # "failed to load model": the reason is what the user needs
+    reason = [ln for ln in lines if "error loading model:" in ln]
     errors = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
-    return (errors or lines or ["no log"])[-1]
+    return (reason or errors or lines or ["no log"])[-1]
 
 
 def library_info() -> dict:
@@ -81,6 +84,9 @@ class Model:
         self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
         self.n_layer = int(ll.llama_model_n_layer(ptr))
         self.n_embd = int(ll.llama_model_n_embd(ptr))
+        # rows of a reduced-vocabulary LM head (models/head.py), 0 for a full head; logits
+        # still span n_vocab (-inf where the head has no row)
+        self.n_head = int(_ffi.llama_specee_head_n(ptr))
         self._piece_buf = ctypes.create_string_buffer(256)
 
     def close(self) -> None:
@@ -184,6 +190,29 @@ _GGML_TYPE_F32 = 0
 _FLASH_ATTN_DISABLED = 0
 
 
+_POOLS: dict[int, int] = {}
+
+
+def shared_threadpool(n_threads: int) -> int | None:
+    """With SPECEE_CPP_THREADPOOL=1: one CPU thread pool per thread count for the whole
+    process, attached to every context (kept for the life of the process, since contexts
+    may still hold it). Off by default, measured (scripts/threadpool_check.py, BENCHMARKS.md):
+    under OpenMP both contexts already run on the one OpenMP team and the pool changed
+    nothing beyond noise; in a build without OpenMP ggml's persistent pool made a target
+    token 1.7x slower than a pool per decode on our 2-core machine. None where the CPU
+    backend's pool API is not reachable."""
+    if _ffi.GGML_CPU is None or os.environ.get("SPECEE_CPP_THREADPOOL", "0") != "1":
+        return None
+    if n_threads not in _POOLS:
+        default, new = _ffi.GGML_CPU
+        params = default(n_threads)
+        pool = new(ctypes.byref(params))
+        if not pool:
+            return None
+        _POOLS[n_threads] = pool
+    return _POOLS[n_threads]
+
+
 class Context:
     """An inference context (KV cache + compute buffers) on a Model.
 
@@ -212,6 +241,9 @@ class Context:
             raise SpeceeError(f"could not create a context (n_ctx={n_ctx}): {_last_error()}")
         self.ptr = ptr
         self.model = model
+        self.threadpool = shared_threadpool(n_threads)
+        if self.threadpool:
+            _ffi.llama_attach_threadpool(ptr, self.threadpool, self.threadpool)
         self.n_ctx = int(ll.llama_n_ctx(ptr))
         self.n_batch = n_batch
         self.mem = ll.llama_get_memory(ptr)

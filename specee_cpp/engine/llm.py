@@ -20,15 +20,36 @@ Prompt = str | list[dict]
 
 
 def resolve(ref: str | Path) -> Path:
-    """A registry name, a .gguf path, or ``NAME:TYPE``: a registry model requantized to a
-    llama.cpp type (``qwen2.5-coder-0.5b:Q4_0``), made once with llama.cpp's quantizer and
-    kept in the model cache."""
+    """A registry name, a .gguf path, or a registry model's variant made once and kept in
+    the model cache: ``NAME:TYPE`` requantized with llama.cpp's quantizer
+    (``qwen2.5-coder-0.5b:Q4_0``), ``NAME:vN`` with a draft head reduced to the N most
+    frequent tokens (``qwen2.5-coder-0.5b:v32k``, models/head.py), or both
+    (``qwen2.5-coder-0.5b:IQ4_NL:v32k``: requantized first)."""
+    s = str(ref)
+    if not (isinstance(ref, str) and ":" in s and not looks_like_path(s)):
+        return resolve_model(ref)
+    from ..bindings.quantize import variant
+    from ..models.head import parse_size, reduced_variant
+
+    base, *specs = s.split(":")
+    heads = [p for p in specs if p.lower().startswith("v")]
+    types = [p for p in specs if p not in heads]
+    if len(heads) > 1 or len(types) > 1 or not all(specs):
+        raise SpeceeError(f"model variant {s!r}: write NAME:TYPE, NAME:vN or NAME:TYPE:vN")
+    path = resolve_model(base)
+    if types:
+        path = variant(path, types[0].upper())
+    if heads:
+        path = reduced_variant(path, parse_size(heads[0]))
+    return path
+
+
+def variant_base(ref: str | Path) -> Path:
+    """The registry model a variant (``NAME:...``) is made from; the file itself otherwise.
+    A variant keeps its base's draft-length controller: it proposes from the same model."""
     s = str(ref)
     if isinstance(ref, str) and ":" in s and not looks_like_path(s):
-        from ..bindings.quantize import variant
-
-        base, qtype = s.rsplit(":", 1)
-        return variant(resolve_model(base), qtype.upper())
+        return resolve_model(s.split(":", 1)[0])
     return resolve_model(ref)
 
 
@@ -76,11 +97,17 @@ class LLM:
                  config: LoadConfig = LoadConfig()):
         self.config = config
         target_path = resolve(model)
+        # NAME:auto: the shipped draft until a speculative mode picks this machine's best
+        # variant with its cost model (spec/variants.py); the mode reads draft_auto
+        self.draft_auto: str | None = None
+        if isinstance(draft, str) and draft.lower().endswith(":auto") and not looks_like_path(draft):
+            draft = self.draft_auto = draft[:-len(":auto")]
         draft_path = resolve(draft) if draft is not None else None
         if draft_path is not None:
             check_same_tokenizer(target_path, draft_path)
         self.tgt = _Loaded(target_path, config)
         self.draft_path = draft_path
+        self.draft_base_path = variant_base(draft) if draft is not None else None
         self._dft: _Loaded | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()
@@ -151,6 +178,9 @@ class LLM:
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
+
+    def forget(self, key: tuple) -> None:
+        self._cache.pop(key, None)
 
     def remember(self, key: tuple, value: Any) -> None:
         """Set what :meth:`cached` returns for ``key`` (a mode's override)."""

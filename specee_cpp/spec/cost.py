@@ -28,7 +28,7 @@ N_MAX = MAX_VERIFY
 @dataclass(frozen=True)
 class CostModel:
     # index n-1: seconds for a target batch of n tokens, right after n-1 draft decodes (as a
-    # speculative round runs it: the two contexts' thread pools take turns on the cores)
+    # speculative round runs it: the models alternate on the same cores and memory)
     target_batch_s: list[float]
     draft_token_s: float          # seconds per draft decode, between target batches
     key: str = ""
@@ -166,8 +166,9 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     plain steps (single target decodes in a row, before the draft has run at all), and
     speculative rounds: a 2-token draft catch-up decode, more single draft decodes, then a
     target batch of n, for n = 1..N_MAX. Timing them interleaved as rounds run them, not
-    each model alone, matters on a small CPU: the two contexts' thread pools take turns on
-    the cores (measured alone, the draft looked ~30% cheaper than in real rounds). Medians
+    each model alone, matters on a small CPU: measured alone, the draft looked ~30% cheaper
+    than in real rounds (not a thread-pool effect: under OpenMP both contexts share one
+    team, see scripts/threadpool_check.py). Medians
     of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
     n = min(n_context, tgt_seq.ctx.n_ctx - N_MAX - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
     context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]

@@ -74,7 +74,9 @@ def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
     z = logits.astype(np.float32) - np.float32(logits.max())
     e = np.exp(z)
     total = float(e.sum())
-    # entropy = log S - sum(e * z) / S, without forming p
+    # entropy = log S - sum(e * z) / S, without forming p; a reduced draft head leaves -inf
+    # logits (e = 0), whose terms are 0, not 0 * -inf
+    z[e == 0] = 0
     return 1.0 / total, float(np.log(total) - float(e @ z) / total)
 
 

@@ -57,11 +57,21 @@ def controller_path(draft_sha256: str) -> Path:
 
 
 def draft_sha256(llm) -> str:
-    """The draft file's sha256 (keys its controller and cost cache), read without loading
-    the draft: a pair whose costs say "never draft" never loads it."""
+    """The draft file's sha256 (keys its cost cache), read without loading the draft: a
+    pair whose costs say "never draft" never loads it."""
     from ..models.pull import file_sha256
 
-    return llm.cached(("spec", "draft_sha256"), lambda: file_sha256(llm.draft_path))
+    return llm.cached(("spec", "draft_sha256", llm.draft_path),
+                      lambda: file_sha256(llm.draft_path))
+
+
+def base_sha256(llm) -> str:
+    """The sha256 of the model the draft is made from (itself, or a ``NAME:TYPE``/``NAME:vN``
+    variant's registry model): keys the shipped controller, which serves its variants."""
+    from ..models.pull import file_sha256
+
+    base = llm.draft_base_path or llm.draft_path
+    return llm.cached(("spec", "base_sha256", base), lambda: file_sha256(base))
 
 
 def cost_model(llm):
@@ -99,7 +109,7 @@ def acceptance_model(llm, path: Path | None = None):
     for a target of another shape than it was fitted on."""
     from .acceptance import AcceptanceModel
 
-    shipped = controller_path(draft_sha256(llm))
+    shipped = controller_path(base_sha256(llm))
     path = path or shipped
 
     def make():
@@ -118,13 +128,21 @@ def acceptance_model(llm, path: Path | None = None):
 
 
 def has_controller(llm, opts: SpecOptions) -> bool:
-    return opts.controller is not None or controller_path(draft_sha256(llm)).is_file()
+    return opts.controller is not None or controller_path(base_sha256(llm)).is_file()
 
 
 def needs_costs(llm, opts: SpecOptions) -> bool:
     """Whether a run with these options reads this machine's cost table (the first one
     measures it, about a minute with the default pair on 2 cores, then it is cached)."""
     return opts.gamma in NEEDS_COSTS and (opts.context or has_controller(llm, opts))
+
+
+def choose_variant(llm, status=no_status) -> str:
+    """For ``--draft NAME:auto``: this machine's best variant of the draft, chosen once per
+    LLM (spec/variants.py); returns the note saying which and why."""
+    from .variants import choose
+
+    return llm.cached(("spec", "variant"), lambda: choose(llm, llm.draft_auto, status))
 
 
 class HistoryDrafts:
@@ -185,6 +203,7 @@ class Spec(Mode):
         from .suffix import ContextSource
 
         cost_aware = opts.gamma in NEEDS_COSTS
+        chosen = choose_variant(llm) if llm.draft_auto and cost_aware else ""
         why = ""
         if cost_aware and not has_controller(llm, opts):
             # the cost-aware default on a draft nobody fitted a controller for: no model
@@ -196,6 +215,8 @@ class Spec(Mode):
             policy = draft_policy(llm, opts)
             if policy.plan_is_plain and cost_aware:
                 why = "model drafting cannot pay on this machine's measured costs"
+        if chosen and policy.plan_is_plain:
+            why = f"{why}; {chosen}" if why else chosen
         with_context = cost_aware and opts.context
         if policy.plan_is_plain and not with_context:
             return self._plain(llm, sampling, f"gamma {opts.gamma}: plain decoding"
@@ -208,6 +229,8 @@ class Spec(Mode):
         else:
             note = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
                     + (", and drafts from the context where they pay" if with_context else ""))
+        if chosen and not policy.plan_is_plain:
+            note += f"; {chosen}"
         dft = None if policy.plan_is_plain else llm.dft.seq
         hist = history_drafts(llm) if opts.history else None
         if hist is not None:
@@ -225,6 +248,8 @@ class Spec(Mode):
         return run
 
     def prepare(self, llm, opts, status=no_status) -> None:
+        if llm.draft_auto and needs_costs(llm, opts):
+            choose_variant(llm, status)
         if needs_costs(llm, opts):
             with status("reading this machine's draft/verify costs (first time: about a "
                         "minute, then cached)"):

