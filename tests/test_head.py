@@ -131,6 +131,8 @@ def test_writing_a_reduced_file_twice_and_bad_variants(small_model, reduced, ran
         write_reduced(reduced[0], tmp_path / "again.gguf", ranking, 1024)
     with pytest.raises(SpeceeError, match="NAME:TYPE:vN"):
         resolve("smollm2-135m:v4k:v8k")
+    with pytest.raises(SpeceeError, match="NAME:auto is a draft"):
+        resolve("smollm2-135m:auto")          # only a draft, chosen by a mode
     # SmolLM2's tokenizer has no shipped ranking: the error says how to make one
     with pytest.raises(SpeceeError, match="head_vocab.py"):
         resolve("smollm2-135m:v4k")

@@ -32,6 +32,9 @@ def resolve(ref: str | Path) -> Path:
     from ..models.head import parse_size, reduced_variant
 
     base, *specs = s.split(":")
+    if any(p.lower() == "auto" for p in specs):
+        raise SpeceeError(f"{s!r}: NAME:auto is a draft that a speculative mode chooses with "
+                          f"this machine's costs; pass it as the draft (--draft {s})")
     heads = [p for p in specs if p.lower().startswith("v")]
     types = [p for p in specs if p not in heads]
     if len(heads) > 1 or len(types) > 1 or not all(specs):
