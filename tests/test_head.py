@@ -12,7 +12,7 @@ from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM, resolve
 from specee_cpp.engine.sequence import Sequence
 from specee_cpp.errors import DecodeError, ModelFileError, SpeceeError
-from specee_cpp.models.head import HEAD_KEY, head_ids, parse_size, write_reduced
+from specee_cpp.models.head import HEAD_KEY, head_ids, parse_size, write_gguf, write_reduced
 
 N_HEAD = 2048
 PROMPTS = ["def fibonacci(n):", "The capital of France is"]
@@ -92,27 +92,12 @@ def test_greedy_spec_with_a_reduced_draft_equals_plain(small_model, reduced):
 
 
 def _rewrite_ids(src, out, ids):
-    """``src`` with its head-id list replaced (gguf's own writer), to feed bad lists."""
+    """``src`` with its head-id list replaced, to feed bad lists."""
     import gguf
 
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
-    for f in reader.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF."):
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        val = ids if f.name == HEAD_KEY else f.contents()
-        writer.add_key_value(f.name, val, vtype, sub_type=sub)
-    for t in reader.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in reader.tensors:
-        writer.write_tensor_data(t.data)
-    writer.close()
-    return out
+    return write_gguf(reader, out, [(t.name, t.data, t.tensor_type) for t in reader.tensors],
+                      {HEAD_KEY: ids})
 
 
 def test_malformed_head_lists_fail_to_load_with_the_reason(reduced, tmp_path):

@@ -17,7 +17,7 @@ def _greedy(ctx: Context, model: Model, n: int = 8) -> list[int]:
     return out
 
 
-@pytest.mark.skipif(_ffi.GGML_CPU is None, reason="this build's CPU backend is not a library")
+@pytest.mark.skipif(_ffi.ggml_cpu() is None, reason="this build's CPU backend is not a library")
 def test_contexts_share_one_pool_and_decode_as_without(tiny_llama, monkeypatch):
     monkeypatch.setenv("SPECEE_CPP_THREADPOOL", "1")     # opt-in (off by default)
     model = Model(tiny_llama)

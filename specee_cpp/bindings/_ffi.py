@@ -6,6 +6,7 @@ same library handle and refuses, at import, a libllama that lacks them.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 from ..errors import LibraryError
 
@@ -110,9 +111,11 @@ class ggml_threadpool_params(ctypes.Structure):
                 ("paused", ctypes.c_bool)]
 
 
-def _ggml_cpu():
-    """(ggml_threadpool_params_default, ggml_threadpool_new) or None where the CPU backend is
-    not a library of its own (a build with dynamically loaded backend variants)."""
+@functools.cache
+def ggml_cpu():
+    """(ggml_threadpool_params_default, ggml_threadpool_new), looked up on first use (only
+    SPECEE_CPP_THREADPOOL=1 asks); None where the CPU backend is not a library of its own
+    (a build with dynamically loaded backend variants)."""
     import pathlib
 
     from llama_cpp._ctypes_extensions import load_shared_library
@@ -128,8 +131,6 @@ def _ggml_cpu():
     new.argtypes, new.restype = [ctypes.POINTER(ggml_threadpool_params)], ctypes.c_void_p
     return default, new
 
-
-GGML_CPU = _ggml_cpu()
 
 # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
 #                              ggml_threadpool_t threadpool_batch);

@@ -201,10 +201,10 @@ def shared_threadpool(n_threads: int) -> int | None:
     nothing beyond noise; in a build without OpenMP ggml's persistent pool made a target
     token 1.7x slower than a pool per decode on our 2-core machine. None where the CPU
     backend's pool API is not reachable."""
-    if _ffi.GGML_CPU is None or os.environ.get("SPECEE_CPP_THREADPOOL", "0") != "1":
+    if os.environ.get("SPECEE_CPP_THREADPOOL", "0") != "1" or _ffi.ggml_cpu() is None:
         return None
     if n_threads not in _POOLS:
-        default, new = _ffi.GGML_CPU
+        default, new = _ffi.ggml_cpu()
         params = default(n_threads)
         pool = new(ctypes.byref(params))
         if not pool:

@@ -19,19 +19,29 @@ from .steps import Result, Step, Transcript, stream
 Prompt = str | list[dict]
 
 
+def variant_parts(ref: str | Path) -> tuple[str, list[str]] | None:
+    """(registry name, parts) of a variant reference ``NAME:PART[:PART]``; None for a
+    registry name or a path (a path may hold a ':' on Windows)."""
+    s = str(ref)
+    if isinstance(ref, str) and ":" in s and not looks_like_path(s):
+        base, *parts = s.split(":")
+        return base, parts
+    return None
+
+
 def resolve(ref: str | Path) -> Path:
     """A registry name, a .gguf path, or a registry model's variant made once and kept in
     the model cache: ``NAME:TYPE`` requantized with llama.cpp's quantizer
     (``qwen2.5-coder-0.5b:Q4_0``), ``NAME:vN`` with a draft head reduced to the N most
     frequent tokens (``qwen2.5-coder-0.5b:v32k``, models/head.py), or both
     (``qwen2.5-coder-0.5b:IQ4_NL:v32k``: requantized first)."""
-    s = str(ref)
-    if not (isinstance(ref, str) and ":" in s and not looks_like_path(s)):
+    v = variant_parts(ref)
+    if v is None:
         return resolve_model(ref)
     from ..bindings.quantize import variant
     from ..models.head import parse_size, reduced_variant
 
-    base, *specs = s.split(":")
+    s, (base, specs) = str(ref), v
     if any(p.lower() == "auto" for p in specs):
         raise SpeceeError(f"{s!r}: NAME:auto is a draft that a speculative mode chooses with "
                           f"this machine's costs; pass it as the draft (--draft {s})")
@@ -50,10 +60,8 @@ def resolve(ref: str | Path) -> Path:
 def variant_base(ref: str | Path) -> Path:
     """The registry model a variant (``NAME:...``) is made from; the file itself otherwise.
     A variant keeps its base's draft-length controller: it proposes from the same model."""
-    s = str(ref)
-    if isinstance(ref, str) and ":" in s and not looks_like_path(s):
-        return resolve_model(s.split(":", 1)[0])
-    return resolve_model(ref)
+    v = variant_parts(ref)
+    return resolve_model(v[0] if v else ref)
 
 
 def check_same_tokenizer(target: Path, draft: Path) -> None:
@@ -103,8 +111,9 @@ class LLM:
         # NAME:auto: the shipped draft until a speculative mode picks this machine's best
         # variant with its cost model (spec/variants.py); the mode reads draft_auto
         self.draft_auto: str | None = None
-        if isinstance(draft, str) and draft.lower().endswith(":auto") and not looks_like_path(draft):
-            draft = self.draft_auto = draft[:-len(":auto")]
+        v = variant_parts(draft) if draft is not None else None
+        if v and v[1][-1].lower() == "auto":
+            draft = self.draft_auto = str(draft)[:-len(":auto")]
         draft_path = resolve(draft) if draft is not None else None
         if draft_path is not None:
             check_same_tokenizer(target_path, draft_path)

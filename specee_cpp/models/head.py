@@ -114,34 +114,44 @@ def write_reduced(src: Path, out: Path, ranking: np.ndarray, n: int) -> tuple[Pa
     if head is None:
         raise ModelFileError(f"{src} has neither {_OUTPUT} nor {_EMBD}")
     ids = head_ids(ranking, n, control_tokens(reader), int(head.data.shape[0]))
+    # the head's own rows; a tied model (no output.weight) gets one cut from token_embd
+    tensors_out = [(t.name, t.data, t.tensor_type) for t in reader.tensors
+                   if t.name not in (_OUTPUT, _BIAS)]
+    tensors_out.append((_OUTPUT, np.ascontiguousarray(head.data[ids]), head.tensor_type))
+    if _BIAS in tensors:
+        b = tensors[_BIAS]
+        tensors_out.append((_BIAS, np.ascontiguousarray(b.data[ids]), b.tensor_type))
+    write_gguf(reader, out, tensors_out, {HEAD_KEY: ids})
+    return out, ids
+
+
+def write_gguf(reader, out: Path, tensors: list, int32_arrays: dict) -> Path:
+    """Write ``reader``'s metadata, with the int32 arrays ``int32_arrays`` added or replaced,
+    and ``tensors`` [(name, data as the reader holds it, type)] as ``out``: written to
+    ``out.partial``, checked readable, then renamed."""
+    import gguf
+
+    out = Path(out)
     arch = str(reader.fields["general.architecture"].contents())
     partial = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(partial, arch, endianess=reader.endianess)
     try:
         for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") \
+                    or field.name in int32_arrays:
                 continue
             vtype = field.types[0]
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-        writer.add_key_value(HEAD_KEY, [int(i) for i in ids], gguf.GGUFValueType.ARRAY,
-                             sub_type=gguf.GGUFValueType.INT32)
-        # the head's own rows; a tied model (no output.weight) gets one cut from token_embd
-        plan = []
-        for t in reader.tensors:
-            if t.name in (_OUTPUT, _BIAS):
-                continue
-            plan.append((t.name, t.data, t.tensor_type))
-        plan.append((_OUTPUT, np.ascontiguousarray(head.data[ids]), head.tensor_type))
-        if _BIAS in tensors:
-            b = tensors[_BIAS]
-            plan.append((_BIAS, np.ascontiguousarray(b.data[ids]), b.tensor_type))
-        for name, data, ttype in plan:
+        for key, values in int32_arrays.items():
+            writer.add_key_value(key, [int(i) for i in values], gguf.GGUFValueType.ARRAY,
+                                 sub_type=gguf.GGUFValueType.INT32)
+        for name, data, ttype in tensors:
             writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, ttype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _, data, _ in plan:
+        for _, data, _ in tensors:
             writer.write_tensor_data(data, tensor_endianess=reader.endianess)
         writer.close()
         read_gguf_info(partial)     # complete and readable before it takes the final name
@@ -149,7 +159,7 @@ def write_reduced(src: Path, out: Path, ranking: np.ndarray, n: int) -> tuple[Pa
     finally:
         writer.close()
         partial.unlink(missing_ok=True)
-    return out, ids
+    return out
 
 
 def reduced_variant(src: Path, n: int) -> Path:
