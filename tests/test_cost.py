@@ -18,7 +18,12 @@ def test_expected_speed_formula():
     # gamma 1 at acceptance a: (1 + a) tokens in c + v(2)
     assert CPU.expected_tps(0.8, 1) == pytest.approx(1.8 / (0.6 + 1.55))
     assert CPU.expected_tps(1.0, 2) == pytest.approx(3 / (1.2 + 1.78), rel=1e-6)
-    assert CPU.verify(10) == pytest.approx(5.3 + 1.1 * 2)  # extrapolated
+    # past the table: its mean cost per added token ((5.3 - 1.0) / 7)
+    assert CPU.verify(10) == pytest.approx(5.3 + 4.3 / 7 * 2)
+    # a table whose last batch measured cheaper than the one before (16 rows fill the CPU
+    # kernels' tiles, 15 do not) does not make longer drafts look cheaper still
+    dip = CostModel(target_batch_s=[1.0 + 0.6 * i for i in range(15)] + [8.6], draft_token_s=0)
+    assert dip.verify(17) > dip.verify(16) and dip.verify(20) > dip.verify(17)
 
 
 def test_gamma_choice_follows_costs_not_thresholds():

@@ -131,8 +131,9 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     receives one record per drafted round (the draft's top-1 probability and entropy per
     drafted token, the accepted count, draft and verify seconds): the profiling data of a
     draft-length controller. ``context``, if given, is a free drafter from the context that
-    takes a round whenever its proposal is predicted to beat plain decoding; the draft model
-    (``dft``, None for a policy that never drafts) serves the others. ``verifier``, if
+    takes a round whenever its proposal is predicted to beat both plain decoding and the
+    policy's best predicted model-drafted round; the draft model (``dft``, None for a policy
+    that never drafts) serves the others. ``verifier``, if
     given (greedy only), scores the rounds the draft model drafted instead of a full-depth
     decode; the other rounds stay exact."""
     if isinstance(policy, int):
@@ -169,8 +170,11 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         # 1. how many tokens to draft (0: a plain step)
         with ph("control"):
             policy.at_context(base_t)
-            # a free draft from the context takes the round when it pays; else the policy
+            # a free draft from the context takes the round when it beats plain decoding
+            # and the draft model's best predicted round; else the policy decides
             free = context.plan(base_t + 1) if context is not None else []
+            if free and policy.predicted_tps() > context.expected_tps:
+                free = []
             g_max = 0 if free else policy.plan()
         # 2. draft them, one at a time, while the policy keeps them
         draft, conf = list(free), []
@@ -238,7 +242,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
                               round_s)
             if context is not None:
-                context.extend(draft[:n_acc] + [nxt])
+                context.extend(draft[:n_acc] + [nxt], emitted=True)
         if trace is not None and draft and not free:
             trace({"gamma": len(draft), "draft_top1": [round(c[0], 5) for c in conf],
                    "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,

@@ -137,6 +137,16 @@ def needs_costs(llm, opts: SpecOptions) -> bool:
     return opts.gamma in NEEDS_COSTS and (opts.context or has_controller(llm, opts))
 
 
+def copy_model(llm):
+    """The copy model fitted for this target (spec/copy_model.py), or None where none is
+    shipped: the context drafter then uses its built-in guess."""
+    from .copy_model import CopyModel, bundle_path
+
+    path = bundle_path(llm.model.sha256)
+    return llm.cached(("spec", "copy_model"),
+                      lambda: CopyModel.load(path) if path.is_file() else None)
+
+
 def choose_variant(llm, status=no_status) -> str:
     """For ``--draft NAME:auto``: this machine's best variant of the draft, chosen once per
     LLM (spec/variants.py); returns the note saying which and why."""
@@ -231,6 +241,9 @@ class Spec(Mode):
                     + (", and drafts from the context where they pay" if with_context else ""))
         if chosen and not policy.plan_is_plain:
             note += f"; {chosen}"
+        copy = copy_model(llm) if with_context else None
+        if copy is not None:
+            note += " (acceptance by the copy model fitted for this target)"
         dft = None if policy.plan_is_plain else llm.dft.seq
         hist = history_drafts(llm) if opts.history else None
         if hist is not None:
@@ -239,7 +252,8 @@ class Spec(Mode):
         def run(tokens):
             steps = generate_spec(
                 llm.tgt.seq, dft, tokens, policy, sampling,
-                context=ContextSource(costs, history=hist.trie if hist else None)
+                context=ContextSource(costs, history=hist.trie if hist else None,
+                                      model=copy)
                 if with_context else None)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)

@@ -49,6 +49,12 @@ class DraftPolicy:
         """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
         costs at this length)."""
 
+    def predicted_tps(self) -> float:
+        """The tokens per second this policy expects of its next drafted round on this
+        machine (0: it has no prediction), so that a free draft from the context can be
+        weighed against the draft model."""
+        return 0.0
+
 
 class FixedGamma(DraftPolicy):
     def __init__(self, gamma: int):
@@ -222,10 +228,18 @@ class CostAwareGamma(_ReadsCosts, _RoundModelPolicy):
         self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in self.gammas])
         self.plain_tps = 1.0 / costs.plain
 
+    def _tps(self) -> np.ndarray:
+        return (1.0 + self.model.rates(self.feats, self.gammas) * self.gammas) / self.time
+
+    def predicted_tps(self) -> float:
+        if not self.can_pay or self.guard.wait > 0:
+            return 0.0
+        return float(self._tps().max())
+
     def plan(self) -> int:
         if not self.can_pay:
             return 0
-        tps = (1.0 + self.model.rates(self.feats, self.gammas) * self.gammas) / self.time
+        tps = self._tps()
         best = int(np.argmax(tps))
         if tps[best] > self.plain_tps:
             self.n_plain = 0

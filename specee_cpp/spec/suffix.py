@@ -11,7 +11,11 @@ depth runs out. Its per-token shares are the drafter's acceptance estimates.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import MAX_VERIFY
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,10 @@ class Proposal:
     tokens: list[int]
     probs: list[float]      # per token: how often it followed (share of its parent's count)
     match: int              # length of the matched context suffix
+    # per token: the length of the suffix it was matched on, and how often that suffix
+    # occurred with a successor (the support of its share)
+    matches: list[int] = field(default_factory=list)
+    supports: list[int] = field(default_factory=list)
 
 
 class SuffixTrie:
@@ -82,6 +90,8 @@ class SuffixTrie:
         ctx = (self.tokens if ctx is None else ctx)[-(self.depth - 1):]
         out: list[int] = []
         probs: list[float] = []
+        matches: list[int] = []
+        supports: list[int] = []
         first_match = 0
         while len(out) < n_max:
             node, n = self._match(ctx)
@@ -95,8 +105,23 @@ class SuffixTrie:
                 break
             out.append(tok)
             probs.append(p)
+            matches.append(n)
+            supports.append(total)
             ctx = (ctx + [tok])[-(self.depth - 1):]
-        return Proposal(out, probs, first_match)
+        return Proposal(out, probs, first_match, matches, supports)
+
+
+def copy_features(prop: Proposal, recent: float, overall: float, run: int, guesses: int
+                  ) -> np.ndarray:
+    """The copy model's inputs, one row per proposed token (spec/copy_model.py): its share,
+    log(1 + support), the length of the suffix it was matched on and its position in the
+    draft; and, the same for every row, how often the trie's first guess was right over the
+    recent output and over all of it, log(1 + its current run of right guesses) and
+    log(1 + the guesses it made so far) (how much the overall rate has seen)."""
+    n = len(prop.tokens)
+    per_draft = [recent, overall, np.log1p(run), np.log1p(guesses)]
+    return np.column_stack([prop.probs, np.log1p(prop.supports), prop.matches, np.arange(n),
+                            np.tile(per_draft, (n, 1))]).astype(np.float64)
 
 
 class ContextSource:
@@ -105,28 +130,39 @@ class ContextSource:
     machine's costs (a free draft costs only its verification), or nothing when plain
     decoding is faster.
 
-    A drafted token's acceptance is estimated as the trie's share times the acceptance rate
-    of context drafts with a match of that length so far in this run (a Beta posterior per
+    A drafted token's acceptance (given the tokens before it were accepted) is predicted by
+    the copy model fitted for the target (``model``, spec/copy_model.py) from the trie's share
+    and support, the match length, the position, and the recent hit rate and current run of
+    hits of the trie's first guess. Without one it is estimated as the trie's share times the acceptance rate of
+    context drafts with a match of that length so far in this run (a Beta posterior per
     match-length band, prior mean 2/3: a first guess that is worth one short draft where
     verification is dear, and learns within a few rounds whether copying works here).
 
     ``history``, if given, is a trie over the user's earlier outputs (spec/history.py): where
     its match with the current context is longer than the context's own, it proposes
-    instead, with Beta posteriors of its own."""
+    instead, with Beta posteriors of its own (the copy model is fitted on the context's
+    drafts only)."""
 
     BANDS = (3, 5)                # match lengths 1-2, 3-4, 5+
+    HIT_ALPHA = 1.0 / 16          # the recent hit rate: a moving average over ~16 tokens
+    HIT_PRIOR = 0.5
 
-    def __init__(self, costs, depth: int = 8, n_max: int = 16,
-                 history: SuffixTrie | None = None):
+    def __init__(self, costs, depth: int = 8, n_max: int = MAX_VERIFY - 1,
+                 history: SuffixTrie | None = None, model=None):
         from .cost import as_table
 
-        self.table = as_table(costs)
+        self.table = as_table(costs) if costs is not None else None
         self.trie = SuffixTrie(depth)
         self.history = history
+        self.model = model
         self.n_max = n_max
         n = len(self.BANDS) + 1
         # per source (0: this context, 1: the history) and match band: accepted, rejected
         self.beta = [[[2.0, 1.0] for _ in range(n)] for _ in range(2)]
+        self.hits = self.HIT_PRIOR
+        self.run = 0                  # output tokens in a row the first guess got right
+        self.guessed = [0, 0]         # over the whole output: first guesses right, made
+        self.expected_tps = 0.0       # of the last plan (tokens per second, this machine)
         self._band = 0
         self._src = 0
 
@@ -134,27 +170,60 @@ class ContextSource:
         a, b = self.beta[src][band]
         return a / (a + b)
 
-    def extend(self, tokens) -> None:
-        self.trie.extend(tokens)
+    def extend(self, tokens, emitted: bool = False) -> None:
+        """Add ``tokens`` to the context. ``emitted`` tokens (decoded, not the prompt) are
+        first checked one by one against the trie's first guess at their position, which
+        keeps the recent hit rate and the current run of hits (a few dictionary lookups a
+        token)."""
+        if not emitted:
+            self.trie.extend(tokens)
+            return
+        for t in tokens:
+            guess = self.trie.propose(1).tokens
+            hit = bool(guess) and guess[0] == t
+            if guess:
+                self.hits += self.HIT_ALPHA * (float(hit) - self.hits)
+                self.guessed[0] += hit
+                self.guessed[1] += 1
+            self.run = self.run + 1 if hit else 0
+            self.trie.extend([t])
 
-    def plan(self, n_context: int) -> list[int]:
+    def propose(self) -> Proposal:
+        """What the context (or the history, where its match is longer) says comes next."""
         prop, self._src = self.trie.propose(self.n_max), 0
         if self.history is not None:
             other = self.history.propose(self.n_max, ctx=self.trie.tokens)
             if other.tokens and other.match > prop.match:
                 prop, self._src = other, 1
+        self._band = sum(prop.match >= b for b in self.BANDS)
+        return prop
+
+    def features(self, prop: Proposal) -> np.ndarray:
+        """The copy model's inputs for ``prop`` in this state (``copy_features``); the overall
+        hit rate starts from one hit and one miss."""
+        right, made = self.guessed
+        return copy_features(prop, self.hits, (right + 1) / (made + 2), self.run, made)
+
+    def accept_probs(self, prop: Proposal) -> np.ndarray:
+        """Per proposed token: the probability that it is accepted if the ones before were."""
+        if self.model is not None and self._src == 0:
+            return self.model.predict(self.features(prop))
+        return np.asarray(prop.probs) * self._rate(self._src, self._band)
+
+    def plan(self, n_context: int) -> list[int]:
+        prop = self.propose()
+        costs = self.table.at(n_context)
+        self.expected_tps = best_tps = 1.0 / costs.plain
         if not prop.tokens:
             return []
-        costs = self.table.at(n_context)
-        self._band = sum(prop.match >= b for b in self.BANDS)
-        rate = self._rate(self._src, self._band)
-        best_g, best_tps, expect, p_all = 0, 1.0 / costs.plain, 1.0, 1.0
-        for g, p in enumerate(prop.probs, 1):
-            p_all *= p * rate
-            expect += p_all
-            tps = expect / costs.verify(g + 1)
+        # expected tokens of a round drafting g: 1 + P(first accepted) + P(first two) + ...
+        expect = 1.0 + np.cumsum(np.cumprod(self.accept_probs(prop)))
+        best_g = 0
+        for g, e in enumerate(expect, 1):
+            tps = e / costs.verify(g + 1)
             if tps > best_tps:
                 best_g, best_tps = g, tps
+        self.expected_tps = best_tps
         return prop.tokens[:best_g]
 
     def update(self, n_drafted: int, n_accept: int) -> None:

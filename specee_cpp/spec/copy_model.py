@@ -1,0 +1,208 @@
+"""The copy model: the fitted acceptance of free drafts from the context.
+
+Each proposed token of the context drafter (spec/suffix.py) is described by eight numbers
+(``suffix.copy_features``: the trie's share and its support, the length of the suffix it
+was matched on, its position in the draft; the hit rate of the trie's first guess over the
+recent output and over all of it, its current run of right guesses and how many it made);
+the model, the one small MLP of ``mlp.py``, says how likely the target accepts the token
+given that the tokens before it were accepted. It replaces the drafter's built-in guess
+(share x a per-run Beta posterior starting at 2/3), which is blind to what kind of output
+it is in: where verification is dear it never dares to draft, code edits included, and where
+verification is cheaper it also drafts chat answers that copy little.
+
+Data without running the target twice: under greedy decoding a free draft's fate is fixed
+by the output. Token j of the proposal made before output position t is accepted iff it
+equals output t + j and the tokens before it were. Replaying a plain greedy output through
+the drafter's own trie gives, at every position, the proposal the drafter would make there,
+its features and their labels (``samples``). Replaying the drafter's decisions with a cost
+table (``simulate``) gives exactly the rounds and the acceptance that spec decoding would
+have on that prompt (lossless: the same output), and the speed those costs predict.
+Fitted on dev prompts only (scripts/fit_copy_model.py); one model per target, shipped as
+``bundles/<target sha256[:16]>.copy.npz``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpeceeError
+from ..mlp import forward, load_npz, save_npz, train_mlp
+from ..paths import BUNDLE_DIR
+from .suffix import ContextSource
+
+MODEL_VERSION = 1
+FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",
+            "log1p_run", "log1p_guesses")
+_NAMES = [f"n{i}" for i in range(6)]
+PER_STREAM = 100   # samples kept per output stream when fitting (see ``dataset``)
+
+
+def bundle_path(target_sha256: str) -> Path:
+    return BUNDLE_DIR / f"{target_sha256[:16]}.copy.npz"
+
+
+@dataclass
+class CopyModel:
+    net: tuple
+    meta: dict = field(default_factory=dict)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return forward(self.net, X)
+
+    def save(self, path: Path) -> None:
+        save_npz(path, {n: a for n, a in zip(_NAMES, self.net)},
+                 dict(self.meta, version=MODEL_VERSION, features=list(FEATURES)))
+
+    @classmethod
+    def load(cls, path: Path) -> CopyModel:
+        meta, arrays = load_npz(path, _NAMES, "copy model")
+        if meta.get("version") != MODEL_VERSION or meta.get("features") != list(FEATURES):
+            raise SpeceeError(f"copy model {path} has version {meta.get('version')} and "
+                              f"features {meta.get('features')}; this build needs version "
+                              f"{MODEL_VERSION}: refit with scripts/fit_copy_model.py")
+        return cls(tuple(arrays[n] for n in _NAMES), meta)
+
+
+def _start(prompt: list[int], output: list[int], costs=None, model=None) -> ContextSource:
+    # as generate_spec starts it: the prompt and the first token (from prefill) unscored
+    src = ContextSource(costs, model=model)
+    src.extend(list(prompt) + list(output[:1]))
+    return src
+
+
+def samples(prompt: list[int], output: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(features, accepted) of every proposed token the target would judge, at every
+    position of a greedy ``output`` (those up to the first rejection)."""
+    src = _start(prompt, output)
+    X, y = [], []
+    for t in range(1, len(output)):
+        prop = src.propose()
+        if prop.tokens:
+            F = src.features(prop)
+            for j, tok in enumerate(prop.tokens[:len(output) - t]):
+                X.append(F[j])
+                y.append(float(tok == output[t + j]))
+                if tok != output[t + j]:
+                    break
+        src.extend([output[t]], emitted=True)
+    return np.array(X).reshape(-1, len(FEATURES)), np.array(y)
+
+
+@dataclass(frozen=True)
+class Simulated:
+    tokens: int
+    seconds: float
+    plain_seconds: float
+    rounds: int
+    drafted: int
+    accepted: int
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_seconds / self.seconds if self.seconds else 1.0
+
+
+def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | None = None
+             ) -> Simulated:
+    """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
+    ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``."""
+    src = _start(prompt, output, costs, model)
+    t, seconds, plain, rounds, drafted, accepted = 1, 0.0, 0.0, 0, 0, 0
+    while t < len(output):
+        n_ctx = len(prompt) + t
+        d = src.plan(n_ctx)
+        c = src.table.at(n_ctx)
+        a = 0
+        while a < len(d) and t + a < len(output) and d[a] == output[t + a]:
+            a += 1
+        if d:
+            seconds += c.verify(len(d) + 1)
+            src.update(len(d), a)
+        else:
+            seconds += c.plain
+        emitted = output[t:t + a + 1]
+        plain += c.plain * len(emitted)
+        src.extend(emitted, emitted=True)
+        t += len(emitted)
+        rounds += 1
+        drafted += len(d)
+        accepted += a
+    return Simulated(len(output) - 1, seconds, plain, rounds, drafted, accepted)
+
+
+def dataset(streams: list[dict], per_stream: int = 0, seed: int = 0
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The samples of every stream; ``per_stream`` > 0 keeps at most that many of each (a
+    seeded random subset), so that outputs that copy long runs (a code edit gives ~15
+    samples a position) do not drown the chat answers that copy little."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for s in streams:
+        X, y = samples(s["prompt"], s["output"])
+        if 0 < per_stream < len(y):
+            keep = np.sort(rng.choice(len(y), per_stream, replace=False))
+            X, y = X[keep], y[keep]
+        parts.append((X, y))
+    if not parts:
+        return np.zeros((0, len(FEATURES))), np.zeros(0)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def fit(streams: list[dict], hidden: int = 16, epochs: int = 30, seed: int = 0,
+        per_stream: int = PER_STREAM, meta: dict | None = None) -> CopyModel:
+    """Fit on greedy output streams (``{"prompt": [...], "output": [...]}`` each)."""
+    X, y = dataset(streams, per_stream, seed)
+    if len(X) < 200:
+        raise SpeceeError(f"too few proposed tokens to fit a copy model ({len(X)}); "
+                          f"profile more or longer outputs")
+    net = train_mlp(X, y, hidden=hidden, epochs=epochs, seed=seed)
+    return CopyModel(net, dict(meta or {}, n_samples=int(len(X)),
+                               n_streams=len(streams), base_rate=float(y.mean()),
+                               hidden=hidden))
+
+
+def _log_loss(p: np.ndarray, y: np.ndarray) -> float:
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
+def held_out_report(streams: list[dict], costs, meta: dict | None = None) -> dict:
+    """Fit without every fifth stream (from the second, so that the held-out ones span the
+    sources) and score on those: log loss against the built-in guess (share x 2/3, its
+    prior) and the base rate, and the simulated speed-up over plain decoding with
+    ``costs``, per category, of the drafter with the fitted model and with its guess."""
+    held = set(range(1, len(streams), 5))
+    train = [s for i, s in enumerate(streams) if i not in held]
+    test = [s for i, s in enumerate(streams) if i in held]
+    model = fit(train, meta=meta)
+    X, y = dataset(test, PER_STREAM)   # weighted as in fitting: each stream alike
+    rep: dict = {"n_train_streams": len(train), "n_held_out_streams": len(test),
+                 "n_train_samples": model.meta["n_samples"], "n_held_out_samples": int(len(y))}
+    if len(y):
+        rep["log_loss_fitted"] = _log_loss(model.predict(X), y)
+        rep["log_loss_guess"] = _log_loss(X[:, 0] * 2 / 3, y)
+        rep["log_loss_base_rate"] = _log_loss(np.full(len(y), y.mean()), y)
+        rep["held_out_base_rate"] = float(y.mean())
+    per: dict[str, dict] = {}
+    for s in test:
+        row = per.setdefault(s.get("category", "?"), {"streams": 0, "fitted": [0.0, 0.0],
+                                                       "guess": [0.0, 0.0], "drafted": [0, 0],
+                                                       "accepted": [0, 0]})
+        row["streams"] += 1
+        for k, m in enumerate((model, None)):
+            r = simulate(s["prompt"], s["output"], costs, m)
+            name = "fitted" if m is not None else "guess"
+            row[name][0] += r.seconds
+            row[name][1] += r.plain_seconds
+            row["drafted"][k] += r.drafted
+            row["accepted"][k] += r.accepted
+    rep["simulated"] = {
+        cat: {"streams": r["streams"],
+              "speedup_fitted": r["fitted"][1] / r["fitted"][0],
+              "speedup_guess": r["guess"][1] / r["guess"][0],
+              "drafted_fitted": r["drafted"][0], "accepted_fitted": r["accepted"][0],
+              "drafted_guess": r["drafted"][1], "accepted_guess": r["accepted"][1]}
+        for cat, r in sorted(per.items())}
+    return rep

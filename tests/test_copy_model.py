@@ -1,0 +1,163 @@
+"""The copy model (fitted acceptance of the context drafter's free drafts): its samples and
+labels replayed from greedy outputs, the replay of the drafter's rounds (checked against
+real spec decoding), fitting, persistence, and its use inside the drafter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specee_cpp.errors import SpeceeError
+from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_report, samples,
+                                        simulate)
+from specee_cpp.spec.cost import CostModel
+from specee_cpp.spec.suffix import ContextSource
+
+FLAT = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1)       # a GPU's verification
+STEEP = CostModel([1.0 + 0.8 * i for i in range(16)], 0.6)       # this CPU's, roughly
+
+
+def test_samples_label_each_proposal_up_to_its_first_rejection():
+    prompt = [1, 2, 3, 4, 5]
+    output = [1, 2, 3, 9, 8]
+    X, y = samples(prompt, output)
+    # position 1 ("... 5 1"): "1" alone matched, shorter than the 2 a draft needs; position
+    # 2 ("1 2" seen before, then 3 4 5 ...): 3 is right, 4 is wrong (9 came), then stop;
+    # position 3 ("2 3" -> 4): wrong at once; position 4 ("3 9"): no match
+    assert y.tolist() == [1.0, 0.0, 0.0]
+    assert X.shape == (3, len(FEATURES)) == (3, 8)
+    # share, log(1 + support), match, position; recent and overall hit rate, log(1 + run),
+    # log(1 + guesses made): no guess was made before position 2 (no 2-token match)
+    assert X[0] == pytest.approx([1.0, np.log(2), 2, 0, 0.5, 0.5, 0.0, 0.0])
+    assert X[1][2:4].tolist() == [3, 1]       # "1 2 3" matched for the second token
+    # the first guess at position 2 (3) was right: every rate moves up by one hit
+    a = ContextSource.HIT_ALPHA
+    assert X[2] == pytest.approx([1.0, np.log(2), 3, 0, 0.5 + a * 0.5, 2 / 3, np.log(2),
+                                  np.log(2)])
+
+
+def _cycle(n: int, period: int = 12, start: int = 100) -> list[int]:
+    return [start + i % period for i in range(n)]
+
+
+def test_simulate_drafts_copies_where_verification_is_cheap_and_not_where_it_is_dear():
+    prompt = _cycle(48)
+    out = _cycle(60)
+    flat = simulate(prompt, out, FLAT)
+    # the cycle goes on: every draft accepted but the last round's run past the output's end
+    assert flat.accepted >= 50 and flat.drafted - flat.accepted <= 15
+    assert flat.rounds < len(out) / 2 and flat.speedup > 2.0
+    # no earlier match anywhere: nothing drafted, plain's time exactly
+    fresh = simulate(list(range(10, 40)), list(range(200, 260)), STEEP)
+    assert fresh.drafted == 0 and fresh.rounds == 59 and fresh.speedup == pytest.approx(1.0)
+
+
+def _streams(seed: int, n: int = 30) -> list[dict]:
+    """Two kinds of output: ones that copy their prompt (accepted drafts) and ones that
+    wander off it after a short echo (rejected drafts despite a confident trie)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        prompt = [int(t) for t in rng.integers(1000, 1400, 80)]
+        if k % 2:
+            output = prompt[10:40]
+            cat = "copies"
+        else:
+            output = []
+            for _ in range(40):   # echo 2 prompt tokens, then one unseen token
+                i = int(rng.integers(0, 78))
+                output += prompt[i:i + 2] + [int(rng.integers(5000, 6000))]
+            cat = "wanders"
+        out.append({"prompt": prompt, "output": output, "category": cat})
+    return out
+
+
+def test_fitted_model_beats_the_built_in_guess_on_held_out_streams(tmp_path):
+    data = _streams(0)
+    rep = held_out_report(data, STEEP)
+    assert rep["log_loss_fitted"] < rep["log_loss_guess"]
+    assert rep["log_loss_fitted"] < rep["log_loss_base_rate"]
+    sim = rep["simulated"]
+    assert set(sim) == {"copies", "wanders"}
+    # where verification is dear, the guess (share x 2/3 at first) never dares to draft; the
+    # fitted model knows copying outputs from their hit rates and drafts them
+    c = sim["copies"]
+    assert c["drafted_guess"] == 0 and c["speedup_guess"] == pytest.approx(1.0)
+    # (all accepted but where a draft runs past the output's end)
+    assert c["drafted_fitted"] >= 20 and c["accepted_fitted"] >= 0.85 * c["drafted_fitted"]
+    assert c["speedup_fitted"] > 1.01
+    # and it drafts nothing where every proposal fails
+    assert sim["wanders"]["drafted_fitted"] == 0
+
+    model = fit(data)
+    path = tmp_path / "m.copy.npz"
+    model.save(path)
+    back = CopyModel.load(path)
+    X = np.array([[1.0, 2.0, 4, 0, 0.9, 0.8, 2.0, 3.0], [0.4, 0.5, 2, 3, 0.1, 0.2, 0.0, 1.0]])
+    assert np.allclose(back.predict(X), model.predict(X), atol=1e-5)
+    with pytest.raises(SpeceeError, match="too few"):
+        fit(data[:1])
+
+
+def test_a_foreign_or_old_copy_model_file_is_refused(tmp_path):
+    from specee_cpp.mlp import save_npz
+
+    path = tmp_path / "old.copy.npz"
+    model = fit(_streams(1))
+    save_npz(path, {f"n{i}": a for i, a in enumerate(model.net)}, {"version": 0})
+    with pytest.raises(SpeceeError, match="refit"):
+        CopyModel.load(path)
+    with pytest.raises(SpeceeError, match="not found"):
+        CopyModel.load(tmp_path / "missing.npz")
+
+
+def test_drafter_uses_the_model_for_its_own_context_and_the_guess_for_the_history():
+    class Const:
+        def __init__(self, p):
+            self.p = p
+
+        def predict(self, X):
+            return np.full(len(X), self.p)
+
+    text = _cycle(40)
+    never = ContextSource(FLAT, model=Const(0.0))
+    always = ContextSource(FLAT, model=Const(1.0))
+    for s in (never, always):
+        s.extend(text)
+    assert never.plan(len(text)) == []
+    # as long as the cost table reaches: 15 drafts and the token after them in one batch of 16
+    assert len(always.plan(len(text))) == 15 and always.expected_tps > 1 / FLAT.plain
+    # a history match is judged by the built-in guess, not the model fitted on contexts
+    from specee_cpp.spec.suffix import SuffixTrie
+
+    hist = SuffixTrie(8)
+    hist.extend([10, 11, 12, 13, 14, 15, 16])
+    src = ContextSource(FLAT, history=hist, model=Const(0.0))
+    src.extend([1, 2, 10, 11, 12])
+    assert src.plan(100) == [13, 14, 15, 16] and src._src == 1
+
+
+@pytest.mark.model
+def test_simulate_replays_the_rounds_of_real_spec_decoding(small_llm):
+    """The replay is exact: spec decoding with context drafts on the real model drafts and
+    accepts what simulate() says it does on plain's greedy output."""
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.engine.steps import stream
+    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.spec.policies import FixedGamma
+
+    prompt = ("Repeat this list exactly three times, separated by blank lines:\n"
+              "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon\n")
+    toks = small_llm.prompt_tokens(prompt)
+    plain = small_llm.generate(prompt, max_tokens=60).tokens
+    small_llm.reset()
+    steps = list(stream(generate_spec(small_llm.tgt.seq, None, toks, FixedGamma(0),
+                                      SamplingConfig(), context=ContextSource(FLAT)),
+                        piece=small_llm.model.token_to_piece, is_eog=small_llm.model.is_eog,
+                        max_tokens=60, n_prompt=len(toks)))
+    got = [s.token for s in steps if s.finish_reason != "stop"]
+    assert got == plain
+    sim = simulate(toks, plain, FLAT)
+    st = steps[-1].stats
+    # the real run stops at max_tokens: its last round may draft past the end
+    assert st.n_accept == sim.accepted and abs(st.n_drafted - sim.drafted) <= 16
+    assert sim.accepted > 10
