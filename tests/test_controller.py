@@ -98,6 +98,29 @@ def test_cost_aware_policies_follow_the_costs(model):
         policies.make_policy("auto")
 
 
+def test_predicted_speed_of_model_drafting_weighs_free_drafts(model):
+    """The policy's predicted round (tokens/s) is what a free draft from the context must
+    beat: none where model drafting cannot pay, the best gamma's speed where it can, none
+    while the guard keeps the policy at plain decoding."""
+    from specee_cpp.spec.suffix import ContextSource
+
+    assert policies.CostAwareGamma(model, CPU, 4.85).predicted_tps() == 0.0
+    assert policies.FixedGamma(4).predicted_tps() == 0.0
+    gpu = policies.CostAwareGamma(model, GPU, 4.85)
+    best = gpu.predicted_tps()
+    assert best > 1.0 / GPU.plain
+    g = gpu.plan()
+    assert best == pytest.approx((1 + model.rates(gpu.feats, [g])[0] * g)
+                                 / (GPU.draft(g) + GPU.verify(g + 1)))
+    gpu.guard.wait = 3
+    assert gpu.predicted_tps() == 0.0
+    # a context draft of shares 1.0 predicts more than plain; it takes the round only if it
+    # also beats the model's best (decode.generate_spec compares the two)
+    src = ContextSource(GPU)
+    src.extend(list(range(20, 40)) * 3 + [20, 21])
+    assert src.plan(100) and src.expected_tps > 1.0 / GPU.plain
+
+
 def test_replay_arithmetic():
     recs = [{"prompt_id": 0, "gamma": 4, "draft_top1": [0.9] * 4, "draft_entropy": [0.1] * 4,
              "n_accept": a, "target_bpw": 4.0} for a in (4, 1)]
@@ -201,3 +224,44 @@ def test_stop_rule_stops_drafting_where_the_next_token_cannot_pay(model):
     flat = policies.CostAwareStop(model, GPU, 4.85)
     flat.plan()
     assert flat.keep(0, 0.99, 0.05) and flat.more(0)
+
+
+@pytest.mark.model
+def test_free_draft_yields_to_a_draft_model_predicted_faster(pair):
+    """generate_spec gives a round to the context's free draft only if it beats the policy's
+    predicted model-drafted round: with a policy predicting more than any free draft, every
+    drafted round is the model's (each traced); predicting nothing, the context drafts too.
+    Greedy output equals plain's either way."""
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.engine.steps import stream
+    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.spec.suffix import ContextSource
+
+    class Predicts(policies.FixedGamma):
+        def __init__(self, tps):
+            super().__init__(2)
+            self.tps = tps
+
+        def predicted_tps(self):
+            return self.tps
+
+    prompt = "Repeat exactly: one two three four five six seven eight nine ten. " * 3
+    toks = pair.prompt_tokens(prompt)
+    plain = pair.generate(prompt, max_tokens=40).tokens
+    free_rounds = {}
+    for tps in (float("inf"), 0.0):
+        pair.reset()
+        traced = []
+        src = ContextSource(GPU)
+        steps = list(stream(generate_spec(pair.tgt.seq, pair.dft.seq, toks, Predicts(tps),
+                                          SamplingConfig(), trace=traced.append,
+                                          context=src),
+                            piece=pair.model.token_to_piece, is_eog=pair.model.is_eog,
+                            max_tokens=40, n_prompt=len(toks)))
+        assert [s.token for s in steps if s.finish_reason != "stop"] == plain
+        # the context learns (Beta counts) from its own rounds only
+        free_rounds[tps] = sum(a + b - 3.0 for a, b in src.beta[0])
+        if tps:
+            assert traced                          # the draft model drafted instead
+    assert free_rounds[float("inf")] == 0          # no free draft took a round
+    assert free_rounds[0.0] > 0                    # free drafts took some
