@@ -104,16 +104,25 @@ class Simulated:
         return self.plain_seconds / self.seconds if self.seconds else 1.0
 
 
-def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | None = None
-             ) -> Simulated:
+def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | None = None,
+             oracle: bool = False) -> Simulated:
     """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
-    ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``."""
+    ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``. With
+    ``oracle`` it knows how much of each proposal will be accepted and drafts exactly that
+    where it pays: the bound of any acceptance model for this drafter and these costs."""
     src = _start(prompt, output, costs, model)
     t, seconds, plain, rounds, drafted, accepted = 1, 0.0, 0.0, 0, 0, 0
     while t < len(output):
         n_ctx = len(prompt) + t
-        d = src.plan(n_ctx)
         c = src.table.at(n_ctx)
+        if oracle:
+            d = src.propose().tokens
+            a = 0
+            while a < len(d) and t + a < len(output) and d[a] == output[t + a]:
+                a += 1
+            d = d[:a] if a and (a + 1) / c.verify(a + 1) > 1 / c.plain else []
+        else:
+            d = src.plan(n_ctx)
         a = 0
         while a < len(d) and t + a < len(output) and d[a] == output[t + a]:
             a += 1
@@ -150,7 +159,7 @@ def dataset(streams: list[dict], per_stream: int = 0, seed: int = 0
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def fit(streams: list[dict], hidden: int = 16, epochs: int = 30, seed: int = 0,
+def fit(streams: list[dict], hidden: int = 16, epochs: int = 300, seed: int = 0,
         per_stream: int = PER_STREAM, meta: dict | None = None) -> CopyModel:
     """Fit on greedy output streams (``{"prompt": [...], "output": [...]}`` each)."""
     X, y = dataset(streams, per_stream, seed)
@@ -172,7 +181,8 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None) -> dic
     """Fit without every fifth stream (from the second, so that the held-out ones span the
     sources) and score on those: log loss against the built-in guess (share x 2/3, its
     prior) and the base rate, and the simulated speed-up over plain decoding with
-    ``costs``, per category, of the drafter with the fitted model and with its guess."""
+    ``costs``, per category, of the drafter with the fitted model, with its guess and with
+    an oracle's knowledge of what will be accepted."""
     held = set(range(1, len(streams), 5))
     train = [s for i, s in enumerate(streams) if i not in held]
     test = [s for i, s in enumerate(streams) if i in held]
@@ -189,8 +199,11 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None) -> dic
     for s in test:
         row = per.setdefault(s.get("category", "?"), {"streams": 0, "fitted": [0.0, 0.0],
                                                        "guess": [0.0, 0.0], "drafted": [0, 0],
-                                                       "accepted": [0, 0]})
+                                                       "accepted": [0, 0], "oracle": [0.0, 0.0]})
         row["streams"] += 1
+        r = simulate(s["prompt"], s["output"], costs, oracle=True)
+        row["oracle"][0] += r.seconds
+        row["oracle"][1] += r.plain_seconds
         for k, m in enumerate((model, None)):
             r = simulate(s["prompt"], s["output"], costs, m)
             name = "fitted" if m is not None else "guess"
@@ -202,6 +215,7 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None) -> dic
         cat: {"streams": r["streams"],
               "speedup_fitted": r["fitted"][1] / r["fitted"][0],
               "speedup_guess": r["guess"][1] / r["guess"][0],
+              "speedup_oracle": r["oracle"][1] / r["oracle"][0],
               "drafted_fitted": r["drafted"][0], "accepted_fitted": r["accepted"][0],
               "drafted_guess": r["drafted"][1], "accepted_guess": r["accepted"][1]}
         for cat, r in sorted(per.items())}
