@@ -159,7 +159,7 @@ def dataset(streams: list[dict], per_stream: int = 0, seed: int = 0
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def fit(streams: list[dict], hidden: int = 16, epochs: int = 300, seed: int = 0,
+def fit(streams: list[dict], hidden: int = 16, epochs: int = 30, seed: int = 0,
         per_stream: int = PER_STREAM, meta: dict | None = None) -> CopyModel:
     """Fit on greedy output streams (``{"prompt": [...], "output": [...]}`` each)."""
     X, y = dataset(streams, per_stream, seed)
