@@ -1,6 +1,6 @@
 """The copy model (fitted acceptance of the context drafter's free drafts): its samples and
 labels replayed from greedy outputs, the replay of the drafter's rounds (checked against
-real spec decoding), fitting, persistence, and its use inside the drafter."""
+real spec decoding in test_suffix.py), fitting, persistence, and its use in the drafter."""
 from __future__ import annotations
 
 import numpy as np
@@ -144,30 +144,3 @@ def test_drafter_uses_the_model_for_its_own_context_and_the_guess_for_the_histor
     src = ContextSource(FLAT, history=hist, model=Const(0.0))
     src.extend([1, 2, 10, 11, 12])
     assert src.plan(100) == [13, 14, 15, 16] and src._src == 1
-
-
-@pytest.mark.model
-def test_simulate_replays_the_rounds_of_real_spec_decoding(small_llm):
-    """The replay is exact: spec decoding with context drafts on the real model drafts and
-    accepts what simulate() says it does on plain's greedy output."""
-    from specee_cpp.config import SamplingConfig
-    from specee_cpp.engine.steps import stream
-    from specee_cpp.spec.decode import generate_spec
-    from specee_cpp.spec.policies import FixedGamma
-
-    prompt = ("Repeat this list exactly three times, separated by blank lines:\n"
-              "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon\n")
-    toks = small_llm.prompt_tokens(prompt)
-    plain = small_llm.generate(prompt, max_tokens=60).tokens
-    small_llm.reset()
-    steps = list(stream(generate_spec(small_llm.tgt.seq, None, toks, FixedGamma(0),
-                                      SamplingConfig(), context=ContextSource(FLAT)),
-                        piece=small_llm.model.token_to_piece, is_eog=small_llm.model.is_eog,
-                        max_tokens=60, n_prompt=len(toks)))
-    got = [s.token for s in steps if s.finish_reason != "stop"]
-    assert got == plain
-    sim = simulate(toks, plain, FLAT)
-    st = steps[-1].stats
-    # the real run stops at max_tokens: its last round may draft past the end
-    assert st.n_accept == sim.accepted and abs(st.n_drafted - sim.drafted) <= 16
-    assert sim.accepted > 10

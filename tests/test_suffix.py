@@ -53,7 +53,8 @@ def test_context_source_drafts_only_where_it_pays():
 @pytest.mark.model
 def test_spec_with_context_drafts_equals_plain(small_llm):
     """Lossless: free drafts verified by the target give plain's greedy tokens (with
-    rejections: the repeated list is broken off where the drafter expects it to go on)."""
+    rejections: the repeated list is broken off where the drafter expects it to go on), and
+    the copy model's replay of the drafter's rounds matches the real run."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.engine.steps import stream
     from specee_cpp.spec.decode import generate_spec
@@ -72,6 +73,13 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     st = steps[-1].stats
     assert got == plain.tokens
     assert st.n_drafted > 10 and st.n_accept > 0      # the context drafted, and was verified
+    # the copy model's replay (spec/copy_model.py) is exact: on plain's greedy output it
+    # accepts what the real run accepted (the real run stops at max_tokens, so its last
+    # round may draft past the end)
+    from specee_cpp.spec.copy_model import simulate
+
+    sim = simulate(toks, plain.tokens, FLAT)
+    assert st.n_accept == sim.accepted and abs(st.n_drafted - sim.drafted) <= 15
 
 
 # ---- the opt-in history of earlier outputs ------------------------------------------------
