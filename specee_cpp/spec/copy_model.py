@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import SpeceeError
 from ..mlp import forward, load_npz, save_npz, train_mlp
 from ..paths import BUNDLE_DIR
+from .decode import accept_greedy
 from .suffix import ContextSource
 
 MODEL_VERSION = 1
@@ -115,17 +116,15 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
     while t < len(output):
         n_ctx = len(prompt) + t
         c = src.table.at(n_ctx)
+        # the target's greedy token after drafted prefix i is the output's (none past its end)
+        target_at = lambda i: output[t + i] if t + i < len(output) else -1  # noqa: E731
         if oracle:
             d = src.propose().tokens
-            a = 0
-            while a < len(d) and t + a < len(output) and d[a] == output[t + a]:
-                a += 1
+            a = accept_greedy(d, target_at)[0]
             d = d[:a] if a and (a + 1) / c.verify(a + 1) > 1 / c.plain else []
         else:
             d = src.plan(n_ctx)
-        a = 0
-        while a < len(d) and t + a < len(output) and d[a] == output[t + a]:
-            a += 1
+        a = accept_greedy(d, target_at)[0]
         if d:
             seconds += c.verify(len(d) + 1)
             src.update(len(d), a)

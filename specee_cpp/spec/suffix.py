@@ -132,11 +132,12 @@ class ContextSource:
 
     A drafted token's acceptance (given the tokens before it were accepted) is predicted by
     the copy model fitted for the target (``model``, spec/copy_model.py) from the trie's share
-    and support, the match length, the position, and the recent hit rate and current run of
-    hits of the trie's first guess. Without one it is estimated as the trie's share times the acceptance rate of
-    context drafts with a match of that length so far in this run (a Beta posterior per
-    match-length band, prior mean 2/3: a first guess that is worth one short draft where
-    verification is dear, and learns within a few rounds whether copying works here).
+    and support, the match length, the position, and how the trie's first guess has fared on
+    this output (``features``). Without one it is estimated as the trie's share times the
+    acceptance rate of context drafts with a match of that length so far in this run (a Beta
+    posterior per match-length band, prior mean 2/3: a first guess that is worth one short
+    draft where verification is dear, and learns within a few rounds whether copying works
+    here).
 
     ``history``, if given, is a trie over the user's earlier outputs (spec/history.py): where
     its match with the current context is longer than the context's own, it proposes
