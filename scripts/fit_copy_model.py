@@ -105,12 +105,13 @@ def main() -> int:
     meta = {"target": llm.model.path.name, "target_sha256": sha,
             "data": f"{len(data)} dev streams (scripts/fit_copy_model.py, --edit-step "
                     f"{ns.edit_step})"}
-    log("held-out report (this machine's costs)")
+    log("held-out report (this machine's costs and GPU-like ones)")
+    held_out = held_out_report(data, table, meta, more_costs={"gpu_like": gpu})
     report = {"command": "python scripts/fit_copy_model.py " + " ".join(sys.argv[1:]),
               "date": datetime.date.today().isoformat(), "machine": describe(where),
               "features": list(FEATURES),
-              "this_machine": held_out_report(data, table, meta),
-              "gpu_like": held_out_report(data, gpu, meta)["simulated"]}
+              "this_machine": held_out,
+              "gpu_like": held_out.pop("simulated_more")["gpu_like"]}
     model = fit(data, meta=meta)
     model.save(bundle_path(sha))
     report["bundle"] = bundle_path(sha).name
