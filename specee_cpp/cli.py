@@ -4,9 +4,11 @@ User mistakes (SpeceeError) print one line on stderr and exit 1, never a traceba
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -52,38 +54,6 @@ def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
             err.print(f"[yellow]warning:[/yellow] --gpu-layers {gpu_layers} ignored: this build "
                       f"has no GPU backend (rebuild with CMAKE_ARGS=-DGGML_CUDA=on)")
     return LoadConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers)
-
-
-# command-line flag of each mode option (the options themselves are the modes' dataclasses)
-_MODE_FLAGS = {"gamma": "--gamma", "controller": "--controller", "context": "--context",
-               "history": "--history",
-               "provider": "--provider",
-               "predictors": "--predictors", "threshold": "--threshold", "rule": "--exit-rule",
-               "max_exit_error": "--max-exit-error", "unsafe": "--unsafe-exits"}
-
-
-def _mode_options(mode: str | None, draft: str | None, **given):
-    """The registered mode (default: spec with a draft, else plain) and its typed options
-    from the flags given; a flag that belongs to another mode is refused (a silent no-op
-    misleads)."""
-    from .engine import modes
-    from .spec.mode import parse_gamma
-
-    mode = mode or ("spec" if draft else "plain")
-    m = modes.get(mode)
-    given = {k: v for k, v in given.items() if v is not None}
-    for key, value in given.items():
-        if key not in {f.name for f in fields(m.Options)}:
-            owner = next((n for n in modes.names()
-                          if key in {f.name for f in fields(modes.get(n).Options)}), "?")
-            flag = _MODE_FLAGS[key]
-            # a switch is named as typed (--context / --no-context), other flags with value
-            given_as = (flag if value else "--no-" + flag[2:]) if isinstance(value, bool) \
-                else f"{flag} {value}"
-            raise SpeceeError(f"{given_as} applies to --mode {owner}, not --mode {mode}")
-    if "gamma" in given:
-        given["gamma"] = parse_gamma(given["gamma"])
-    return m, m.options(**given)
 
 
 def _default_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
@@ -150,6 +120,74 @@ OptUnsafe = typer.Option(None, "--unsafe-exits",
 OptRule = typer.Option(None, "--exit-rule",
                        help="ee rule: argmax (SpecEE, default) or candidate.")
 
+# The decoding-mode flags, declared once for generate, chat and serve (``with_mode_flags``):
+# parameter -> (the mode option it sets, None for --mode itself; its type; its typer option).
+# The options themselves are the modes' dataclasses (engine/modes.py).
+_MODE_PARAMS = {
+    "mode": (None, Optional[str], OptMode),
+    "gamma": ("gamma", Optional[str], OptGamma),
+    "controller": ("controller", Optional[str], OptController),
+    "context": ("context", Optional[bool], OptContext),
+    "history": ("history", Optional[bool], OptHistory),
+    "provider": ("provider", Optional[str], OptProvider),
+    "predictors": ("predictors", Optional[str], OptPredictors),
+    "threshold": ("threshold", Optional[float], OptThreshold),
+    "exit_rule": ("rule", Optional[str], OptRule),
+    "max_exit_error": ("max_exit_error", Optional[float], OptMaxErr),
+    "unsafe_exits": ("unsafe", Optional[bool], OptUnsafe),
+}
+# mode option -> its flag as typed ("--context/--no-context" -> "--context")
+_MODE_FLAGS = {key: opt.param_decls[0].split("/")[0]
+               for key, _, opt in _MODE_PARAMS.values() if key}
+
+
+@dataclass(frozen=True)
+class ModeFlags:
+    """The decoding-mode flags of one command line: ``--mode`` and the options given."""
+    mode: str | None
+    given: dict
+
+    def resolve(self, draft: str | None):
+        """The registered mode (default: spec with a draft, else plain) and its typed
+        options; a flag that belongs to another mode is refused (a silent no-op misleads)."""
+        from .engine import modes
+        from .spec.mode import parse_gamma
+
+        mode = self.mode or ("spec" if draft else "plain")
+        m = modes.get(mode)
+        given = {k: v for k, v in self.given.items() if v is not None}
+        for key, value in given.items():
+            if key not in {f.name for f in fields(m.Options)}:
+                owner = next((n for n in modes.names()
+                              if key in {f.name for f in fields(modes.get(n).Options)}), "?")
+                flag = _MODE_FLAGS[key]
+                # a switch is named as typed (--context / --no-context), other flags with value
+                given_as = (flag if value else "--no-" + flag[2:]) if isinstance(value, bool) \
+                    else f"{flag} {value}"
+                raise SpeceeError(f"{given_as} applies to --mode {owner}, not --mode {mode}")
+        if "gamma" in given:
+            given["gamma"] = parse_gamma(given["gamma"])
+        return m, m.options(**given)
+
+
+def with_mode_flags(command):
+    """Give a command the decoding-mode flags of ``_MODE_PARAMS`` after its own; it
+    receives them as one ``flags: ModeFlags`` argument. Typer reads the signature set here."""
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "flags"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ)
+             for name, (_, typ, opt) in _MODE_PARAMS.items()]
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        mode = kwargs.pop("mode")
+        given = {key: kwargs.pop(name) for name, (key, _, _) in _MODE_PARAMS.items() if key}
+        return command(*args, flags=ModeFlags(mode, given), **kwargs)
+
+    run.__signature__ = sig.replace(parameters=own + added)
+    run.__annotations__ = {p.name: p.annotation for p in own + added}
+    return run
+
 
 def _stats_line(stats) -> str:
     parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s",
@@ -168,6 +206,7 @@ def _stats_line(stats) -> str:
 # ---- generate / chat ------------------------------------------------------------------------
 
 @app.command()
+@with_mode_flags
 def generate(
     model: str = typer.Argument(..., help="Registry name or path to a .gguf file."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt."),
@@ -178,11 +217,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
-    threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    max_exit_error: Optional[float] = OptMaxErr, unsafe_exits: Optional[bool] = OptUnsafe,
-    gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
-    context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
+    flags: ModeFlags = None,
 ) -> None:
     """Generate a reply to one prompt, streamed to stdout (statistics on stderr)."""
     from .engine.llm import LLM
@@ -190,11 +225,7 @@ def generate(
     from .engine.steps import Transcript
 
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
-                            history=history,
-                            provider=provider,
-                            predictors=predictors, threshold=threshold, rule=exit_rule,
-                            max_exit_error=max_exit_error, unsafe=unsafe_exits)
+    m, opts = flags.resolve(draft)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         m.prepare(llm, opts, status=err.status)
         done = Transcript()
@@ -212,6 +243,7 @@ def generate(
 
 
 @app.command()
+@with_mode_flags
 def chat(
     model: Optional[str] = typer.Argument(
         None, help="Registry name or .gguf path (default: the registry's default pair)."),
@@ -221,22 +253,14 @@ def chat(
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
-    threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    max_exit_error: Optional[float] = OptMaxErr, unsafe_exits: Optional[bool] = OptUnsafe,
-    gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
-    context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
+    flags: ModeFlags = None,
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from .engine.steps import Transcript
 
     model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
-                            history=history,
-                            provider=provider,
-                            predictors=predictors, threshold=threshold, rule=exit_rule,
-                            max_exit_error=max_exit_error, unsafe=unsafe_exits)
+    m, opts = flags.resolve(draft)
     llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
     with llm:
         m.prepare(llm, opts, status=err.status)
@@ -275,6 +299,7 @@ def chat(
 
 
 @app.command()
+@with_mode_flags
 def serve(
     model: Optional[str] = typer.Argument(
         None, help="Registry name or .gguf path (default: the registry's default pair)."),
@@ -290,11 +315,7 @@ def serve(
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
-    mode: Optional[str] = OptMode, provider: str = OptProvider, predictors: Optional[str] = OptPredictors,
-    threshold: Optional[float] = OptThreshold, exit_rule: str = OptRule,
-    max_exit_error: Optional[float] = OptMaxErr, unsafe_exits: Optional[bool] = OptUnsafe,
-    gamma: Optional[str] = OptGamma, controller: Optional[str] = OptController,
-    context: Optional[bool] = OptContext, history: Optional[bool] = OptHistory,
+    flags: ModeFlags = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models,
     /health). Sampling flags and the mode are defaults that a request may override."""
@@ -310,11 +331,7 @@ def serve(
 
     model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = _mode_options(mode, draft, gamma=gamma, controller=controller, context=context,
-                            history=history,
-                            provider=provider,
-                            predictors=predictors, threshold=threshold, rule=exit_rule,
-                            max_exit_error=max_exit_error, unsafe=unsafe_exits)
+    m, opts = flags.resolve(draft)
     # bound before loading, so a taken port is one line now, not after a minute of loading
     try:
         sock = socket.create_server((host, port))

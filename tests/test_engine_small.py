@@ -33,6 +33,10 @@ def test_deterministic_and_streaming_equals_nonstreaming(small_llm):
     assert [s.token for s in steps if s.finish_reason != "stop"] == a.tokens
     assert a.text.strip() and steps[-1].stats is not None
     assert all(s.stats is None for s in steps[:-1])
+    # a prompt already tokenized (the server checks its length first) is taken as it is
+    ids = small_llm.prompt_tokens("Name three colors.")
+    assert small_llm.prompt_tokens(ids) == ids
+    assert small_llm.generate(ids, max_tokens=32).tokens == a.tokens
 
 
 def test_chat_template_applied(small_llm):

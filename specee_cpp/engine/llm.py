@@ -16,7 +16,8 @@ from .modes import Mode
 from .sequence import Sequence
 from .steps import Result, Step, Transcript, stream
 
-Prompt = str | list[dict]
+# text, chat messages, or token ids already made by prompt_tokens (taken as they are)
+Prompt = str | list[dict] | list[int]
 
 
 def variant_parts(ref: str | Path) -> tuple[str, list[str]] | None:
@@ -171,8 +172,10 @@ class LLM:
         return self._template.render(messages)
 
     def prompt_tokens(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """Token ids of a prompt: a string (chat template applied unless ``chat`` is False)
-        or a list of {role, content} messages."""
+        """Token ids of a prompt: a string (chat template applied unless ``chat`` is False),
+        a list of {role, content} messages, or token ids (returned as they are)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
         if isinstance(prompt, str) and not chat:
             return self.model.tokenize(prompt, add_special=True, parse_special=False)
         # The template writes BOS itself where the model wants one.

@@ -187,12 +187,14 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
             top_k=base.top_k if body.top_k is None else body.top_k,
             top_p=base.top_p if body.top_p is None else body.top_p,
             seed=base.seed if body.seed is None else body.seed)
-        n_prompt = len(llm.prompt_tokens(prompt, chat=chat))
+        # tokenized once: the count checked here is what the worker decodes
+        tokens = llm.prompt_tokens(prompt, chat=chat)
+        n_prompt = len(tokens)
         limit = body.limit()
         if limit is None:   # chat: up to the context's end; completions: OpenAI's 16
             limit = max(llm.n_ctx - n_prompt, 1) if chat else DEFAULT_COMPLETION_TOKENS
         check_fits(n_prompt, limit, llm.n_ctx)
-        return Job(prompt=prompt, chat=chat, max_tokens=limit, sampling=sampling,
+        return Job(prompt=tokens, max_tokens=limit, sampling=sampling,
                    stops=body.stops(), mode=mode, options=options,
                    ignore_eos=bool(body.specee and body.specee.ignore_eos))
 

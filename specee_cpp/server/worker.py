@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SamplingConfig
-from ..engine.llm import LLM, Prompt
+from ..engine.llm import LLM
 from ..engine.modes import Mode
 from ..errors import SpeceeError
 
@@ -41,8 +41,7 @@ class QueueFull(SpeceeError):
 class Job:
     """One request's generation: what to run and where its steps go."""
 
-    prompt: Prompt
-    chat: bool
+    prompt: list[int]   # token ids: the request handler tokenized it to check its length
     max_tokens: int
     sampling: SamplingConfig
     stops: tuple[str, ...]
@@ -158,7 +157,7 @@ class Worker:
         try:
             job.mode.prepare(self.llm, job.options)
             steps = self.llm.stream(job.prompt, max_tokens=job.max_tokens,
-                                    sampling=job.sampling, stop=job.stops, chat=job.chat,
+                                    sampling=job.sampling, stop=job.stops,
                                     mode=job.mode, options=job.options,
                                     ignore_eos=job.ignore_eos)
             try:
