@@ -199,6 +199,15 @@ def test_bench_command_is_built_from_its_options():
     assert BenchOptions(model="m").command() == "specee-cpp bench m"
 
 
+def test_configurations_rotate_from_prompt_to_prompt():
+    from specee_cpp.bench.runner import rotated
+
+    cs = ["a", "b", "c"]
+    assert [rotated(cs, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"],
+                                                   ["c", "a", "b"], ["a", "b", "c"]]
+    assert rotated([], 3) == []
+
+
 def test_torn_record_line_is_dropped(tmp_path):
     f = tmp_path / "r.jsonl"
     f.write_text(json.dumps(_rec("a", "qa", "plain", "t", 1, 1.0).as_dict()) + "\n{\"prompt_id\": ")
@@ -233,6 +242,9 @@ def test_bench_end_to_end(small_model, tmp_path):
     # (seen failing with the predictions shifted by one token); not computed for lossless
     # speculative modes or peers
     recs = load_records(tmp_path / "out" / "q.jsonl")
+    # the configurations' order rotates from prompt to prompt (no one always runs first)
+    ids = list(dict.fromkeys(r.prompt_id for r in recs))
+    assert [next(r.config for r in recs if r.prompt_id == i) for i in ids] == ["plain", "spec-2"]
     assert all(r.agreement >= 0.9 for r in recs if r.config == "plain")
     assert all(r.agreement is None for r in recs if r.config != "plain")
     for ext in (".json", ".md", ".png", ".jsonl"):

@@ -170,7 +170,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
                             f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
                             f"{cut}{turns}), chat template for chat prompts, greedy, {opts.max_tokens} new "
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "
-                            f"by prompt, every configuration from an empty KV cache; measured on "
+                            f"by prompt (their order rotated), every configuration from an empty KV cache; measured on "
                             f"{describe(where)};")
                 md = markdown(summary, command, settings)
                 prefix.with_suffix(".md").write_text(md)
