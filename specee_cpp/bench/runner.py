@@ -69,8 +69,11 @@ class Runner:
     when asked for, llama-cpp-python's prompt lookup (a second copy of the target)."""
 
     def __init__(self, llm: LLM, configs: list[BenchConfig], max_tokens: int,
-                 peers: LlamaCppPeers | None = None):
+                 peers: LlamaCppPeers | None = None, repeats: int = 1):
+        if repeats < 1:
+            raise SpeceeError(f"repeats must be at least 1, got {repeats}")
         self.llm, self.configs, self.max_tokens = llm, configs, max_tokens
+        self.repeats = repeats
         self.peers = peers
         self._pld: PromptLookupPeer | None = None
         self.pld_ctx = 512  # raised by run() to fit its longest prompt
@@ -155,11 +158,13 @@ class Runner:
         if self.answers_path.exists():
             self.answers = json.loads(self.answers_path.read_text(encoding="utf-8"))
         records = load_records(out)
-        done = {(r.prompt_id, r.config) for r in records}
-        todo = [(p, c) for i, p in enumerate(prompts) for c in rotated(self.configs, i)
-                if (p.id, c.name) not in done]
-        total = len(prompts) * len(self.configs)
-        pending = list({p.id: p for p, _ in todo}.values())
+        done = {(r.prompt_id, r.config, r.repeat) for r in records}
+        # a repeat goes through every prompt again (drift meets each one at another time),
+        # its configurations rotated one further
+        todo = [(k, p, c) for k in range(self.repeats) for i, p in enumerate(prompts)
+                for c in rotated(self.configs, i + k) if (p.id, c.name, k) not in done]
+        total = len(prompts) * len(self.configs) * self.repeats
+        pending = list({p.id: p for _, p, _ in todo}.values())
         for p in (q for q in pending if q.earlier):
             if progress:   # earlier turns answered before anything is timed
                 progress(total - len(todo), total, f"answering the earlier turns of {p.id}")
@@ -174,11 +179,12 @@ class Runner:
         out.parent.mkdir(parents=True, exist_ok=True)
         where = machine(self.llm.config.threads)  # every record says where it was measured
         with open(out, "a", encoding="utf-8") as fh:
-            for i, (p, c) in enumerate(todo):
+            for i, (k, p, c) in enumerate(todo):
                 if progress:
-                    progress(total - len(todo) + i, total, f"{c.name} on {p.id}")
+                    again = f" (repeat {k + 1}/{self.repeats})" if self.repeats > 1 else ""
+                    progress(total - len(todo) + i, total, f"{c.name} on {p.id}{again}")
                 rec = Record(prompt_id=p.id, category=p.category, config=c.name,
-                             **self.measure(c, p), machine=where)
+                             **self.measure(c, p), machine=where, repeat=k)
                 if p.task:
                     rec = replace(rec, passed=passes(p.task, rec.text))
                 fh.write(json.dumps(rec.as_dict()) + "\n")

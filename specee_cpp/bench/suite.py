@@ -33,6 +33,7 @@ class BenchOptions:
     n_ctx: int = N_CTX
     static_corpus_mb: float = 8.0
     fresh: bool = False
+    repeats: int = 1                  # measurements of each (prompt, configuration)
 
     def command(self, benchmarks_md: Path | None = None, title: str = "") -> str:
         """The command line that makes this run: the options that differ from the
@@ -66,7 +67,7 @@ _FLAGS = {"draft": "--draft", "prompts": "--prompts", "configs": "--configs",
           "categories": "--categories",
           "exclude_calibration": "--exclude-calibration", "out": "--out",
           "threads": "--threads", "gpu_layers": "--gpu-layers", "n_ctx": "--n-ctx",
-          "fresh": "--fresh"}
+          "fresh": "--fresh", "repeats": "--repeats"}
 
 
 def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
@@ -151,7 +152,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
                                      opts.static_corpus_mb, tools)
             peers = LlamaCppPeers(m.path, llm.draft_path, cfg,
                                   eog_texts=eog, tools=tools, static_cache=cache)
-        runner = Runner(llm, configs, opts.max_tokens, peers)
+        runner = Runner(llm, configs, opts.max_tokens, peers, repeats=opts.repeats)
         try:
             runner.run(chosen, raw, progress=progress)
         finally:
