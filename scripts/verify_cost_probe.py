@@ -47,7 +47,7 @@ def weights_by_type(path: Path) -> tuple[dict[str, int], str, str]:
     return dict(counts), head.name, head.tensor_type.name
 
 
-def probe(target: str, context: int, repeats: int, cfg) -> dict:
+def probe(target: str, context: int, repeats: int, cfg, batches=BATCHES) -> dict:
     """Medians, in plain greedy tokens, of an n-token batch with every output row read and
     with the last only, for each n in BATCHES."""
     from specee_cpp.engine.llm import LLM, resolve
@@ -59,7 +59,7 @@ def probe(target: str, context: int, repeats: int, cfg) -> dict:
         seq = llm.tgt.seq
         base = llm.prompt_tokens("Write a function that parses a date and explain it.")
         ctx = (base * (context // len(base) + 1))[:context]
-        filler = (base * 4)[:max(BATCHES)]
+        filler = (base * (max(batches) // len(base) + 1))[:max(batches)]
         seq.prefill(ctx, read=False)
         n0 = len(seq.tokens)
 
@@ -83,15 +83,15 @@ def probe(target: str, context: int, repeats: int, cfg) -> dict:
             seq.rewind(n0)
             return dt
 
-        for n in BATCHES:   # warm-up: every graph shape once
+        for n in batches:   # warm-up: every graph shape once
             batch(n, True)
             batch(n, False)
         runs: dict = {"plain": []}
-        runs.update({(n, a): [] for n in BATCHES for a in (True, False)})
+        runs.update({(n, a): [] for n in batches for a in (True, False)})
         for r in range(repeats):
             print(f"\r{target}: repeat {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
             runs["plain"].append(plain())
-            for n in BATCHES:
+            for n in batches:
                 # alternate which goes first, so drift does not favour one
                 for a in ((True, False) if r % 2 == 0 else (False, True)):
                     runs[(n, a)].append(batch(n, a))
@@ -100,7 +100,7 @@ def probe(target: str, context: int, repeats: int, cfg) -> dict:
     med = {k: statistics.median(v) for k, v in runs.items()}
     p = med["plain"]
     rows = []
-    for n in BATCHES:
+    for n in batches:
         full, last = med[(n, True)] / p, med[(n, False)] / p
         rows.append({"n": n, "all_rows": round(full, 3), "last_row": round(last, 3),
                      "head_rows_extra": round(full - last, 3),
@@ -132,6 +132,9 @@ def main() -> int:
                     help="comma-separated; NAME:TYPE variants are made once and cached")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="batch sizes, comma-separated (the cost table stops at 16; larger "
+                         "ones show what longer drafts would cost)")
     ap.add_argument("--no-write", action="store_true")
     ns = ap.parse_args()
 
@@ -140,7 +143,8 @@ def main() -> int:
 
     cfg = LoadConfig()
     m = machine(cfg.threads)
-    results = [probe(t.strip(), ns.context, ns.repeats, cfg)
+    batches = tuple(int(b) for b in ns.batches.split(","))
+    results = [probe(t.strip(), ns.context, ns.repeats, cfg, batches)
                for t in ns.targets.split(",") if t.strip()]
     report = {"command": "python scripts/verify_cost_probe.py " + " ".join(sys.argv[1:]),
               "context": ns.context, "repeats": ns.repeats, "machine": m, "targets": results}

@@ -576,7 +576,11 @@ def costs(
         v1 = m.plain
         err.print(f"[bold]{name}[/bold]: plain token {1e3 * v1:.1f} ms; draft token "
                   f"{m.draft_token_s / v1:.2f} of a target token; verify n=2,4,8,16: "
-                  + ", ".join(f"{m.verify(n) / v1:.2f}" for n in (2, 4, 8, 16)))
+                  + ", ".join(f"{m.verify(n) / v1:.2f}" for n in (2, 4, 8, 16))
+                  + ("; free drafts from the context, verify n="
+                     + ",".join(map(str, m.long_sizes)) + ": "
+                     + ", ".join(f"{x / v1:.2f}" for x in m.long_batch_s)
+                     if m.long_sizes else ""))
         table = Table(title=f"{name}: best draft length by acceptance")
         for col in ("acceptance", "best gamma", "expected speed vs plain"):
             table.add_column(col)

@@ -1,4 +1,6 @@
 """The speculative cost model: expected speed formula, gamma choice, caching."""
+from dataclasses import replace
+
 import pytest
 
 from specee_cpp.config import LoadConfig
@@ -26,6 +28,19 @@ def test_expected_speed_formula():
     assert dip.verify(17) > dip.verify(16) and dip.verify(20) > dip.verify(17)
 
 
+def test_longer_batches_are_read_from_their_measured_points():
+    m = CostModel(target_batch_s=[1.0 + 0.5 * i for i in range(16)], draft_token_s=0,
+                  long_sizes=[24, 32, 48], long_batch_s=[10.0, 12.0, 16.0])
+    assert m.verify(16) == 8.5 and m.verify(20) == pytest.approx(8.5 + 1.5 * 4 / 8)
+    assert m.verify(32) == 12.0 and m.verify(40) == pytest.approx(14.0)
+    assert m.verify(64) == pytest.approx(16.0 + 0.25 * 16)      # past the last: its slope
+    # interpolated between two contexts like the rest of the table
+    other = CostModel(target_batch_s=[2.0 + i for i in range(16)], draft_token_s=0,
+                      long_sizes=[24, 32, 48], long_batch_s=[20.0, 24.0, 32.0], context=1000)
+    mid = cost.CostTable([replace(m, context=0), other]).at(500)
+    assert mid.long_sizes == [24, 32, 48] and mid.verify(32) == pytest.approx(18.0)
+
+
 def test_gamma_choice_follows_costs_not_thresholds():
     # FACTS: on this CPU the 0.5B draft (0.6 of a token) never pays; on a GPU-like machine
     # with a cheap draft and flat verification, long drafts do
@@ -49,9 +64,11 @@ def test_measure_and_cache(tmp_path, monkeypatch):
                                       repeats=1)
 
         table = cost.load_or_measure("pair", run)
-        # 400 does not fit in 256 cells with a 16-token verify: measured at the most that does
-        assert [p.context for p in table.points] == [64, 256 - cost.N_MAX - 1]
+        # longer batches for free drafts: those that fit n_batch 32 (24 and 32, not 48/64)
         m = table.points[0]
+        assert m.long_sizes == [24, 32] and all(x > 0 for x in m.long_batch_s)
+        # 400 does not fit in 256 cells with a 32-token verify: measured at the most that does
+        assert [p.context for p in table.points] == [64, 256 - 32 - 1]
         assert len(m.target_batch_s) == cost.N_MAX and m.draft_token_s > 0
         assert llm.tgt.seq.tokens == prompt and llm.dft.seq.tokens == prompt  # left as found
         again = cost.load_or_measure("pair", run)

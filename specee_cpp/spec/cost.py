@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MAX_GAMMA, MAX_VERIFY
+from ..config import LONG_BATCHES, MAX_GAMMA, MAX_VERIFY
 from ..paths import home
 
 N_MAX = MAX_VERIFY
@@ -38,6 +38,9 @@ class CostModel:
     draft_first_s: float = 0.0
     machine: dict = field(default_factory=dict)  # provenance.machine(): where this was measured
     context: int = 0              # tokens in the cache when measured (0: unknown)
+    # longer target batches (free drafts from the context): their sizes and seconds
+    long_sizes: list[int] = field(default_factory=list)
+    long_batch_s: list[float] = field(default_factory=list)
 
     @property
     def plain(self) -> float:
@@ -57,8 +60,17 @@ class CostModel:
         t = self.target_batch_s
         if n <= len(t):
             return t[n - 1]
-        slope = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else t[-1]
-        return t[-1] + max(slope, 0.0) * (n - len(t))
+        # between measured longer batches: linear; past the last, its slope
+        xs = [len(t)] + list(self.long_sizes)
+        ys = [t[-1]] + list(self.long_batch_s)
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if n <= x1:
+                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        if len(xs) > 1:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        else:
+            slope = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else t[-1]
+        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
 
     def expected_tps(self, accept: float, gamma: int) -> float:
         """Expected tokens per second of draft length gamma at per-token acceptance accept."""
@@ -107,7 +119,10 @@ class CostTable:
                          draft_token_s=mix(a.draft_token_s, b.draft_token_s), key=self.key,
                          plain_token_s=mix(a.plain, b.plain),
                          draft_first_s=mix(a.draft_first_s, b.draft_first_s),
-                         machine=self.machine, context=n_context)
+                         machine=self.machine, context=n_context,
+                         long_sizes=list(a.long_sizes) if a.long_sizes == b.long_sizes else [],
+                         long_batch_s=[mix(x, y) for x, y in zip(a.long_batch_s, b.long_batch_s)]
+                         if a.long_sizes == b.long_sizes else [])
 
     def drafting_can_pay(self, g_max: int) -> bool:
         return any(p.drafting_can_pay(g_max) for p in self.points)
@@ -146,16 +161,23 @@ def load_or_measure(key: str, measure) -> CostTable:
     return table
 
 
-MEASURE_VERSION = 6   # part of the cache key: a changed method measures again
+MEASURE_VERSION = 7   # part of the cache key: a changed method measures again (7: long batches)
 # contexts the costs are measured at: a short chat turn and a long one (a 1k-token cache
 # makes a token measurably dearer); past the last, its costs are used
 CONTEXTS = (128, 1024)
 
 
+def long_sizes(tgt_seq) -> list[int]:
+    """The longer target batches measured for free drafts: those that fit one batch of the
+    context (``n_batch``) and leave room in its cache."""
+    ctx = tgt_seq.ctx
+    return [n for n in LONG_BATCHES if n <= ctx.n_batch and n < ctx.n_ctx // 4]
+
+
 def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
                   repeats: int = 5) -> CostTable:
     """:func:`measure` at each context the caches can hold (fewer in a small context)."""
-    room = min(tgt_seq.ctx.n_ctx, dft_seq.ctx.n_ctx) - N_MAX - 1
+    room = min(tgt_seq.ctx.n_ctx, dft_seq.ctx.n_ctx) - max(N_MAX, *long_sizes(tgt_seq)) - 1
     fits = sorted({min(c, room) for c in contexts})
     # the longer contexts with fewer repeats: they refine the first, and a first chat turn
     # waits for all of it (~25 s per context with the default pair on 2 cores)
@@ -173,9 +195,11 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     than in real rounds (not a thread-pool effect: under OpenMP both contexts share one
     team, see scripts/threadpool_check.py). Medians
     of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
-    n = min(n_context, tgt_seq.ctx.n_ctx - N_MAX - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
+    longs = long_sizes(tgt_seq)
+    biggest = max(N_MAX, *longs)
+    n = min(n_context, tgt_seq.ctx.n_ctx - biggest - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
     context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]
-    filler = (tokens * (N_MAX // max(len(tokens), 1) + 1))[:N_MAX]
+    filler = (tokens * (biggest // max(len(tokens), 1) + 1))[:biggest]
     clock = time.perf_counter
     tgt_seq.prefill(context)
     base_t = len(tgt_seq.tokens)
@@ -214,9 +238,23 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
             tgt_seq.rewind(base_t)
             dft_seq.rewind(base_d)
         batch.append(float(np.median(runs)))
+    # longer batches (free drafts, no draft decodes before them), fewer repeats: they cost
+    # up to ~25 plain tokens each
+    long_s = []
+    for k in longs:
+        tgt_seq.decode_greedy(filler[:k])   # warm-up: its graph shape
+        tgt_seq.rewind(base_t)
+        runs = []
+        for _ in range(max(1, (repeats + 1) // 2)):
+            t0 = clock()
+            tgt_seq.decode_greedy(filler[:k])
+            runs.append(clock() - t0)
+            tgt_seq.rewind(base_t)
+        long_s.append(float(np.median(runs)))
     # the context starts with ``tokens``: leave both caches holding exactly them
     tgt_seq.rewind(len(tokens))
     dft_seq.rewind(len(tokens))
     return CostModel(target_batch_s=batch, draft_token_s=float(np.median(single)),
                      plain_token_s=float(np.median(plain)),
-                     draft_first_s=float(np.median(first)), context=len(context))
+                     draft_first_s=float(np.median(first)), context=len(context),
+                     long_sizes=longs, long_batch_s=long_s)
