@@ -203,6 +203,17 @@ def test_repeated_measurements_pool_and_pair_with_plain_of_the_same_repeat():
     assert "1 prompts, each measured 2 times" in report.markdown(s, "c", "s;")
 
 
+def test_peer_tokens_past_the_limit_are_not_counted():
+    sel = configs.select("lcpp-ngram-map-k,lcpp-lookup")
+    recs = [_rec("a", "qa", "plain", "t", 10, 1.0),
+            _rec("a", "qa", "lcpp-ngram-map-k", "t", 40, 1.0),   # a last draft ran past 10
+            _rec("a", "qa", "lcpp-lookup", "t", 11, 1.0)]        # the tools' own 10 + 1
+    s = report.summarize(recs, sel, max_tokens=10)
+    assert s["configs"]["lcpp-ngram-map-k"]["speedup"] == pytest.approx(1.1)
+    assert s["configs"]["lcpp-lookup"]["speedup"] == pytest.approx(1.1)
+    assert report.summarize(recs, sel)["configs"]["lcpp-ngram-map-k"]["speedup"] == 4.0
+
+
 def test_bench_command_is_built_from_its_options():
     """The command quoted above each table comes from the options, not from sys.argv: the
     same run gives the same line however it was typed."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..engine.sequence import common_prefix
@@ -48,12 +49,28 @@ def _agg(recs: list[Record]) -> dict:
     return out
 
 
-def summarize(records: list[Record], configs: list[BenchConfig]) -> dict:
+def clipped(r: Record, max_tokens: int | None) -> Record:
+    """A llama.cpp peer's record counting no tokens past the run's limit. The tools stop at
+    ``max_tokens`` + 1 tokens (they check the limit after emitting), and llama-speculative-
+    simple only once a round: a draft accepted in the last round runs past it (a 192-token
+    code edit counted 241). The time of those extra tokens stays in, so this is
+    conservative against the peer by at most its last round's extra rows."""
+    if max_tokens is None or r.n_gen <= max_tokens + 1:
+        return r
+    over = r.n_gen - (max_tokens + 1)
+    return replace(r, n_gen=r.n_gen - over, n_decode=max(r.n_decode - over, 0))
+
+
+def summarize(records: list[Record], configs: list[BenchConfig],
+              max_tokens: int | None = None) -> dict:
     """Per configuration, overall and per category, over the prompts that every listed
     configuration has a record for (an interrupted run compares like with like). Repeated
     measurements (``--repeats``) all count, each compared with plain's of the same repeat;
-    ``prompts`` counts prompts, not measurements."""
+    ``prompts`` counts prompts, not measurements. With ``max_tokens`` (the run's limit) the
+    llama.cpp peers' tokens past it are not counted (``clipped``)."""
     names = [c.name for c in configs]
+    peer = {c.name for c in configs if c.kind == "llama.cpp"}
+    records = [clipped(r, max_tokens) if r.config in peer else r for r in records]
     by = {((r.prompt_id, r.repeat), r.config): r for r in records}
     runs = list(dict.fromkeys((r.prompt_id, r.repeat) for r in records))
     complete = [p for p in runs if all((p, n) in by for n in names)]

@@ -160,7 +160,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
             # also on Ctrl-C: whatever was measured is summarized
             records = [r for r in load_records(raw) if r.prompt_id in {p.id for p in chosen}
                        and r.config in {c.name for c in configs}]
-            summary = summarize(records, configs)
+            summary = summarize(records, configs, opts.max_tokens)
             if summary["prompts"]:
                 cut = (f", user messages over {opts.max_prompt_tokens} tokens cut in the "
                        f"middle" if opts.max_prompt_tokens else "")
