@@ -169,7 +169,7 @@ class ContextSource:
         self._last_at: dict[tuple, int] = {}
         self._ptr: int | None = None
         self.copy_len = 0
-        self._follow_cap = MAX_VERIFY - 1   # longest follow draft now: doubles while kept
+        self._follow_cap = self.FOLLOW_START   # longest follow draft now: doubles while kept
         self._following = False
         self._band = 0
         self._src = 0
@@ -210,6 +210,7 @@ class ContextSource:
     COPY_GRAM = 4
     FOLLOW_MIN = 16
     FOLLOW_HITS = 0.8
+    FOLLOW_START = MAX_VERIFY - 1
 
     def _follow(self, t: int) -> None:
         """Before ``t`` joins the context: advance the followed copy if ``t`` continues it,
@@ -295,7 +296,7 @@ class ContextSource:
             # a follow draft kept whole earns a longer one (up to a batch of
             # MAX_FREE_VERIFY); one cut short starts again from the short ones
             self._follow_cap = (min(2 * self._follow_cap + 1, MAX_FREE_VERIFY - 1)
-                                if n_accept == n_drafted else MAX_VERIFY - 1)
+                                if n_accept == n_drafted else self.FOLLOW_START)
         if n_drafted:
             self.beta[self._src][self._band][0] += n_accept
             self.beta[self._src][self._band][1] += n_accept < n_drafted
