@@ -175,3 +175,11 @@ def test_a_long_copy_is_followed_in_ever_longer_drafts():
     assert src.copy_len == 0 and len(src.plan(361)) <= 15
     src.update(0, 0)
     assert src._follow_cap == 15
+    # where verification is sampled, follow drafts stay as short as the draft model's
+    short = ContextSource(FLAT, follow_max=MAX_VERIFY - 1)
+    short.extend(text)
+    short.extend(text[:40], emitted=True)
+    d = short.plan(340)
+    short.update(len(d), len(d))
+    short.extend(d + [text[55]], emitted=True)
+    assert short.plan(356) == text[56:56 + MAX_VERIFY - 1]

@@ -114,15 +114,19 @@ class CostTable:
         def mix(x: float, y: float) -> float:
             return x + w * (y - x)
 
+        same_long = a.long_sizes == b.long_sizes
+
         return CostModel(target_batch_s=[mix(x, y) for x, y in zip(a.target_batch_s,
                                                                     b.target_batch_s)],
                          draft_token_s=mix(a.draft_token_s, b.draft_token_s), key=self.key,
                          plain_token_s=mix(a.plain, b.plain),
                          draft_first_s=mix(a.draft_first_s, b.draft_first_s),
                          machine=self.machine, context=n_context,
-                         long_sizes=list(a.long_sizes) if a.long_sizes == b.long_sizes else [],
-                         long_batch_s=[mix(x, y) for x, y in zip(a.long_batch_s, b.long_batch_s)]
-                         if a.long_sizes == b.long_sizes else [])
+                         # longer batches only where both points measured the same sizes
+                         long_sizes=list(a.long_sizes) if same_long else [],
+                         long_batch_s=[mix(x, y) for x, y in zip(a.long_batch_s,
+                                                                 b.long_batch_s)]
+                         if same_long else [])
 
     def drafting_can_pay(self, g_max: int) -> bool:
         return any(p.drafting_can_pay(g_max) for p in self.points)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from ..config import MAX_VERIFY, SamplingConfig
+from ..config import SamplingConfig
 from ..engine.sampling import probs
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
@@ -173,10 +173,6 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
             # a free draft from the context takes the round when it beats plain decoding
             # and the draft model's best predicted round; else the policy decides
             free = context.plan(base_t + 1) if context is not None else []
-            if not greedy:
-                # sampled verification reads a one-hot n_vocab row per drafted token (q):
-                # keep a free draft as short as the draft model's longest
-                free = free[:MAX_VERIFY - 1]
             if free and policy.predicted_tps() > context.expected_tps:
                 free = []
             g_max = 0 if free else policy.plan()

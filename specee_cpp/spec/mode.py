@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..config import MAX_FREE_VERIFY, MAX_VERIFY
 from ..engine.modes import Mode, no_status, register
 from ..engine.plain import PLAIN
 from ..engine.steps import with_note
@@ -249,11 +250,15 @@ class Spec(Mode):
         if hist is not None:
             note += f"; and from your {len(hist.trie)} earlier output tokens"
 
+        # sampled verification reads a one-hot n_vocab row per drafted token: free drafts
+        # there no longer than the draft model's longest
+        follow_max = MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
+
         def run(tokens):
             steps = generate_spec(
                 llm.tgt.seq, dft, tokens, policy, sampling,
                 context=ContextSource(costs, history=hist.trie if hist else None,
-                                      model=copy)
+                                      model=copy, follow_max=follow_max)
                 if with_context else None)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)

@@ -124,6 +124,18 @@ def copy_features(prop: Proposal, recent: float, overall: float, run: int, guess
                             np.tile(per_draft, (n, 1))]).astype(np.float64)
 
 
+def best_prefix(expect, costs) -> tuple[int, float]:
+    """(g, tokens per second) of the free draft length g that maximises ``expect[g - 1]``
+    tokens (expected from drafting g) per verification of g + 1; (0, plain's) where none
+    beats plain decoding (a free draft costs only its verification)."""
+    best_g, best = 0, 1.0 / costs.plain
+    for g, e in enumerate(expect, 1):
+        tps = e / costs.verify(g + 1)
+        if tps > best:
+            best_g, best = g, tps
+    return best_g, best
+
+
 class ContextSource:
     """The free drafter as a speculative source: each round it proposes a continuation from
     the context and keeps the prefix that maximises expected tokens per second under this
@@ -149,7 +161,8 @@ class ContextSource:
     HIT_PRIOR = 0.5
 
     def __init__(self, costs, depth: int = 8, n_max: int = MAX_VERIFY - 1,
-                 history: SuffixTrie | None = None, model=None):
+                 history: SuffixTrie | None = None, model=None,
+                 follow_max: int = MAX_FREE_VERIFY - 1):
         from .cost import as_table
 
         self.table = as_table(costs) if costs is not None else None
@@ -169,6 +182,9 @@ class ContextSource:
         self._last_at: dict[tuple, int] = {}
         self._ptr: int | None = None
         self.copy_len = 0
+        # the longest follow draft: MAX_VERIFY - 1 where verification is sampled (each
+        # drafted token costs a one-hot n_vocab row there)
+        self.follow_max = follow_max
         self._follow_cap = self.FOLLOW_START   # longest follow draft now: doubles while kept
         self._following = False
         self._band = 0
@@ -201,12 +217,13 @@ class ContextSource:
 
     # A long copy in progress (its last FOLLOW_MIN tokens repeat an earlier stretch
     # token for token, and the trie's first guesses have been right >= FOLLOW_HITS of the
-    # recent time) is drafted from that stretch, up to a batch of MAX_FREE_VERIFY: where a
-    # row of a long batch costs less than of a short one (a 2-core CPU: 48 rows 0.36 of a
-    # token each, 16 rows 0.46), copying long pays. Both thresholds fitted on dev streams
-    # (5-fold replay, scripts/fit_copy_model.py's data): code edits 1.52x -> 1.64x of plain,
-    # second turns 1.07x -> 1.04x, summaries 1.06x -> 0.99x. llama.cpp's ngram-map-k drafts
-    # up to 48 tokens after a 12-token match, unconditionally.
+    # recent time) is drafted from that stretch, FOLLOW_START tokens at first and twice as
+    # many after each such draft kept whole, up to a batch of MAX_FREE_VERIFY: where a row of
+    # a long batch costs less than of a short one (config.LONG_BATCHES), copying long pays.
+    # Thresholds chosen on dev streams (5-fold replay of scripts/fit_copy_model.py's data,
+    # this machine's v7 cost table): code edits 1.566x -> 1.632x of plain, second turns
+    # 1.072x -> 1.053x, summaries 1.065x -> 1.047x (docs/draft-length.md, "Long copies").
+    # llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match, unconditionally.
     COPY_GRAM = 4
     FOLLOW_MIN = 16
     FOLLOW_HITS = 0.8
@@ -258,12 +275,8 @@ class ContextSource:
         toks, ptr = self.trie.tokens, self._ptr
         if ptr is None or self.copy_len < self.FOLLOW_MIN or self.hits < self.FOLLOW_HITS:
             return []
-        own = toks[ptr:ptr + self._follow_cap]
-        best_g, best = 0, 1.0 / costs.plain
-        for g in range(1, len(own) + 1):
-            tps = (g + 1) / costs.verify(g + 1)
-            if tps > best:
-                best_g, best = g, tps
+        own = toks[ptr:ptr + min(self._follow_cap, self.follow_max)]
+        best_g, best = best_prefix(1.0 + np.arange(1, len(own) + 1), costs)  # all accepted
         if best_g:
             self.expected_tps, self._src, self._band = best, 0, len(self.BANDS)
             self._following = True
@@ -276,17 +289,12 @@ class ContextSource:
         if long:
             return long
         prop = self.propose()
-        self.expected_tps = best_tps = 1.0 / costs.plain
+        self.expected_tps = 1.0 / costs.plain
         if not prop.tokens:
             return []
         # expected tokens of a round drafting g: 1 + P(first accepted) + P(first two) + ...
         expect = 1.0 + np.cumsum(np.cumprod(self.accept_probs(prop)))
-        best_g = 0
-        for g, e in enumerate(expect, 1):
-            tps = e / costs.verify(g + 1)
-            if tps > best_tps:
-                best_g, best_tps = g, tps
-        self.expected_tps = best_tps
+        best_g, self.expected_tps = best_prefix(expect, costs)
         return prop.tokens[:best_g]
 
     def update(self, n_drafted: int, n_accept: int) -> None:
