@@ -220,8 +220,8 @@ class ContextSource:
     # recent time) is drafted from that stretch, FOLLOW_START tokens at first and twice as
     # many after each such draft kept whole, up to a batch of MAX_FREE_VERIFY: where a row of
     # a long batch costs less than of a short one (config.LONG_BATCHES), copying long pays.
-    # Thresholds chosen on dev streams (5-fold replay of scripts/fit_copy_model.py's data,
-    # this machine's v7 cost table): code edits 1.566x -> 1.632x of plain, second turns
+    # Thresholds chosen on dev streams (scripts/replay_copy_rules.py: 5-fold replay, the
+    # 2-core EPYC's v7 cost table): code edits 1.566x -> 1.632x of plain, second turns
     # 1.072x -> 1.053x, summaries 1.065x -> 1.047x (docs/draft-length.md, "Long copies").
     # llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match, unconditionally.
     COPY_GRAM = 4
