@@ -43,7 +43,8 @@ def prompts(edit_step: int):
 
 
 def streams(llm, todo, cache: Path, log) -> list[dict]:
-    """The target's plain greedy output for each prompt, with the prompt's tokens (cached)."""
+    """The target's plain greedy output for each prompt, with the prompt's tokens (cached)
+    and the run's max_tokens (``max_tokens``: a replay drafts no further, as a run does)."""
     from specee_cpp.bench.runner import Runner
     from specee_cpp.bench.suite import shorten
     from specee_cpp.records import records
@@ -69,7 +70,7 @@ def streams(llm, todo, cache: Path, log) -> list[dict]:
                 fh.flush()
                 done[p.id] = rec
                 log(f"{k + 1}/{len(todo)} {p.id}: {len(res.tokens)} tokens")
-            out.append(done[p.id])
+            out.append(dict(done[p.id], max_tokens=n))
     return out
 
 

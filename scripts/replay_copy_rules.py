@@ -13,7 +13,6 @@ category and over all streams. `--settings off` replays without the rule.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 FOLDS = 5
@@ -24,6 +23,8 @@ def main() -> int:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b",
                     help="only for this machine's cost table (measured once, cached)")
+    ap.add_argument("--edit-step", type=int, default=2,
+                    help="as fit_copy_model.py was run (which dev code edits)")
     ap.add_argument("--settings", default="off,16:0.8:15",
                     help="comma-separated MIN:HITS:START, or off (no long-copy rule)")
     ns = ap.parse_args()
@@ -36,14 +37,19 @@ def main() -> int:
     from specee_cpp.spec.mode import cost_model
     from specee_cpp.spec.suffix import ContextSource
 
+    from fit_copy_model import prompts, streams as dev_streams
+
     with LLM(ns.target, draft=ns.draft, config=LoadConfig()) as llm:
         table = cost_model(llm)
         cache = home() / "copy-profile" / f"{llm.model.sha256[:16]}.jsonl"
         where = describe(machine(llm.config.threads))
-    if not cache.is_file():
-        print(f"no dev streams at {cache}: run scripts/fit_copy_model.py first", file=sys.stderr)
-        return 1
-    streams = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+        if not cache.is_file():
+            print(f"no dev streams at {cache}: run scripts/fit_copy_model.py first",
+                  file=sys.stderr)
+            return 1
+        # the cached streams (with each run's max_tokens); any missing one is decoded now
+        streams = dev_streams(llm, prompts(ns.edit_step), cache,
+                              lambda msg: print(msg, file=sys.stderr))
     models = [cm.fit([s for i, s in enumerate(streams) if i % FOLDS != f]) for f in range(FOLDS)]
     print(f"{len(streams)} dev streams, {FOLDS}-fold; {where}; cost table {table.key}")
     default = (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS, ContextSource.FOLLOW_START)
@@ -57,7 +63,8 @@ def main() -> int:
                  ContextSource.FOLLOW_START) = int(m), float(h), int(st)
             per: dict[str, list[float]] = {}
             for i, s in enumerate(streams):
-                r = cm.simulate(s["prompt"], s["output"], table, models[i % FOLDS])
+                r = cm.simulate(s["prompt"], s["output"], table, models[i % FOLDS],
+                                limit=s["max_tokens"])
                 row = per.setdefault(s["category"], [0.0, 0.0])
                 row[0] += r.seconds
                 row[1] += r.plain_seconds

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specee_cpp.config import MAX_VERIFY
+from specee_cpp.config import MAX_FREE_VERIFY, MAX_VERIFY
 from specee_cpp.errors import SpeceeError
 from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_report, samples,
                                         simulate)
@@ -153,10 +153,10 @@ def test_drafter_uses_the_model_for_its_own_context_and_the_guess_for_the_histor
     assert src.plan(100) == [13, 14, 15, 16] and src._src == 1
 
 
-def test_a_long_copy_is_followed_in_ever_longer_drafts():
+def test_a_long_copy_is_drafted_whole_within_the_limit():
     """A context repeating an earlier stretch token for token (>= FOLLOW_MIN) with the trie's
-    first guesses right is drafted from that stretch: up to 15 tokens first, twice as many
-    after each draft kept whole (up to a batch of MAX_FREE_VERIFY), 15 again after a cut."""
+    first guesses right is drafted from that stretch, a whole batch of MAX_FREE_VERIFY at
+    once, never past the caller's limit (``room``); a cut ends the copy."""
     rng = np.random.default_rng(3)
     text = [int(t) for t in rng.integers(1000, 5000, 300)]
     src = ContextSource(FLAT)
@@ -164,22 +164,15 @@ def test_a_long_copy_is_followed_in_ever_longer_drafts():
     assert src.plan(300) != text[:1] and len(src.plan(300)) <= 15   # nothing copied yet
     src.extend(text[:40], emitted=True)          # the output starts copying the prompt
     assert src.copy_len >= ContextSource.FOLLOW_MIN and src.hits >= ContextSource.FOLLOW_HITS
+    assert src.plan(340, room=20) == text[40:60]   # 21 tokens left to emit: 20 drafted
+    assert src.plan(340, room=0) == []
     d = src.plan(340)
-    assert d == text[40:55]                      # the stretch's own continuation, 15 long
-    src.update(len(d), len(d))
-    src.extend(d + [text[55]], emitted=True)
-    d = src.plan(356)
-    assert d == text[56:56 + 31]                 # kept whole: twice as long
+    assert d == text[40:40 + MAX_FREE_VERIFY - 1]  # the stretch's own continuation
     src.update(len(d), 3)                        # cut short
     src.extend(d[:3] + [7], emitted=True)        # the output leaves the stretch
-    assert src.copy_len == 0 and len(src.plan(361)) <= 15
-    src.update(0, 0)
-    assert src._follow_cap == 15
+    assert src.copy_len == 0 and len(src.plan(344)) <= 15
     # where verification is sampled, follow drafts stay as short as the draft model's
     short = ContextSource(FLAT, follow_max=MAX_VERIFY - 1)
     short.extend(text)
     short.extend(text[:40], emitted=True)
-    d = short.plan(340)
-    short.update(len(d), len(d))
-    short.extend(d + [text[55]], emitted=True)
-    assert short.plan(356) == text[56:56 + MAX_VERIFY - 1]
+    assert short.plan(340) == text[40:40 + MAX_VERIFY - 1]

@@ -56,7 +56,7 @@ class Decimate(modes.Mode):
     def start(self, llm, sampling, opts):
         from specee_cpp.engine.sampling import make_picker
 
-        def run(tokens):
+        def run(tokens, max_new):
             for i, step in enumerate(generate_plain(llm.tgt.seq, tokens, make_picker(sampling))):
                 yield Step(token=step.token, timings=step.timings,
                            exit_layer=0 if i % opts.keep == 0 else None)

@@ -54,7 +54,8 @@ def test_context_source_drafts_only_where_it_pays():
 def test_spec_with_context_drafts_equals_plain(small_llm):
     """Lossless: free drafts verified by the target give plain's greedy tokens (with
     rejections: the repeated list is broken off where the drafter expects it to go on), and
-    the copy model's replay of the drafter's rounds matches the real run."""
+    no round drafts past max_tokens, and the copy model's replay of the drafter's rounds
+    matches the real run exactly."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.engine.steps import stream
     from specee_cpp.spec.decode import generate_spec
@@ -63,23 +64,30 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     prompt = ("Repeat this list exactly three times, separated by blank lines:\n"
               "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon\n")
     toks = small_llm.prompt_tokens(prompt)
-    plain = small_llm.generate(prompt, max_tokens=60)
+    # the answer ends after 22 tokens; at a limit of 30 its last round, unbounded, would
+    # draft the list on far past the limit
+    n = 30
+    plain = small_llm.generate(prompt, max_tokens=n)
     small_llm.reset()
     steps = list(stream(generate_spec(small_llm.tgt.seq, None, toks, FixedGamma(0),
-                                      SamplingConfig(), context=ContextSource(FLAT)),
+                                      SamplingConfig(), context=ContextSource(FLAT),
+                                      max_new=n),
                         piece=small_llm.model.token_to_piece, is_eog=small_llm.model.is_eog,
-                        max_tokens=60, n_prompt=len(toks)))
+                        max_tokens=n, n_prompt=len(toks)))
     got = [s.token for s in steps if s.finish_reason != "stop"]
     st = steps[-1].stats
     assert got == plain.tokens
     assert st.n_drafted > 10 and st.n_accept > 0      # the context drafted, and was verified
+    for i, s in enumerate(steps):                      # a round's last step carries its counts
+        if s.n_drafted:
+            emitted_before = i - s.n_accept
+            assert s.n_drafted <= n - emitted_before - 1, (i, s.n_drafted)
     # the copy model's replay (spec/copy_model.py) is exact: on plain's greedy output it
-    # accepts what the real run accepted (the real run stops at max_tokens, so its last
-    # round may draft past the end)
+    # drafts and accepts what the real run did
     from specee_cpp.spec.copy_model import simulate
 
-    sim = simulate(toks, plain.tokens, FLAT)
-    assert st.n_accept == sim.accepted and abs(st.n_drafted - sim.drafted) <= 15
+    sim = simulate(toks, plain.tokens, FLAT, limit=n)
+    assert (st.n_accept, st.n_drafted) == (sim.accepted, sim.drafted)
 
 
 # ---- the opt-in history of earlier outputs ------------------------------------------------

@@ -191,7 +191,7 @@ class EarlyExit(Mode):
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
         thresholds, sched, note = plan(llm, pred, opts)
-        return lambda tokens: with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
+        return lambda tokens, max_new: with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
                                                     thresholds, rule=opts.rule), note)
 
     def describe(self, opts) -> str:

@@ -227,7 +227,7 @@ class LLM:
         tokens = self.prompt_tokens(prompt, chat=chat)
         check_fits(len(tokens), max_tokens, self.n_ctx)
         is_eog = (lambda t: False) if ignore_eos else self.model.is_eog
-        return stream(start(tokens), piece=self.model.token_to_piece, is_eog=is_eog,
+        return stream(start(tokens, max_tokens), piece=self.model.token_to_piece, is_eog=is_eog,
                       max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop))
 
     def generate(self, prompt: Prompt, **kw) -> Result:

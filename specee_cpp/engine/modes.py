@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from .llm import LLM
     from .steps import Step
 
-Start = Callable[[list[int]], Iterator["Step"]]   # prompt tokens -> steps
+# (prompt tokens, most new tokens) -> steps; the limit lets a drafting mode keep its drafts
+# within what will be emitted (verifying a token past it is time thrown away)
+Start = Callable[[list[int], int], Iterator["Step"]]
 
 
 def no_status(text: str):

@@ -37,7 +37,7 @@ class Plain(Mode):
 
     def start(self, llm, sampling, opts):
         pick = make_picker(sampling)
-        return lambda tokens: generate_plain(llm.tgt.seq, tokens, pick)
+        return lambda tokens, max_new: generate_plain(llm.tgt.seq, tokens, pick)
 
 
 PLAIN = register(Plain())

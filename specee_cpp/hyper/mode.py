@@ -67,11 +67,12 @@ class SpecEE(Mode):
                       + ("" if not policy.plan_is_plain else
                          ": never drafts on this machine's measured costs (plain decoding)"))
 
-        def run(tokens):
+        def run(tokens, max_new):
             thresholds, sched, note = plan(llm, pred, opts.ee)
             verifier = HyperVerifier(pred, sched, thresholds, opts.rule)
             return with_note(generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling,
-                                           verifier=verifier), f"{note_gamma}; {note}")
+                                           verifier=verifier, max_new=max_new),
+                             f"{note_gamma}; {note}")
 
         return run
 

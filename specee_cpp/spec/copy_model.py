@@ -109,11 +109,13 @@ class Simulated:
 
 
 def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | None = None,
-             oracle: bool = False) -> Simulated:
+             oracle: bool = False, limit: int | None = None) -> Simulated:
     """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
     ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``. With
     ``oracle`` it knows how much of each proposal will be accepted and drafts exactly that
-    where it pays: the bound of any acceptance model for this drafter and these costs."""
+    where it pays: the bound of any acceptance model for this drafter and these costs.
+    ``limit``: the output was cut at that many tokens (the run's max_tokens), which, as in
+    ``generate_spec``, no draft reaches past."""
     src = _start(prompt, output, costs, model)
     t, seconds, plain, rounds, drafted, accepted = 1, 0.0, 0.0, 0, 0, 0
     while t < len(output):
@@ -121,12 +123,13 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
         c = src.table.at(n_ctx)
         # the target's greedy token after drafted prefix i is the output's (none past its end)
         target_at = lambda i: output[t + i] if t + i < len(output) else -1  # noqa: E731
+        room = None if limit is None else max(0, limit - t - 1)
         if oracle:
-            d = src.propose().tokens
+            d = src.propose().tokens[:room]
             a = accept_greedy(d, target_at)[0]
             d = d[:a] if a and (a + 1) / c.verify(a + 1) > 1 / c.plain else []
         else:
-            d = src.plan(n_ctx)
+            d = src.plan(n_ctx, room)
         a = accept_greedy(d, target_at)[0]
         if d:
             seconds += c.verify(len(d) + 1)
@@ -214,11 +217,12 @@ def _replay(test: list[dict], model: CopyModel, costs) -> dict:
                                                        "guess": [0.0, 0.0], "drafted": [0, 0],
                                                        "accepted": [0, 0], "oracle": [0.0, 0.0]})
         row["streams"] += 1
-        r = simulate(s["prompt"], s["output"], costs, oracle=True)
+        limit = s.get("max_tokens")
+        r = simulate(s["prompt"], s["output"], costs, oracle=True, limit=limit)
         row["oracle"][0] += r.seconds
         row["oracle"][1] += r.plain_seconds
         for k, m in enumerate((model, None)):
-            r = simulate(s["prompt"], s["output"], costs, m)
+            r = simulate(s["prompt"], s["output"], costs, m, limit=limit)
             name = "fitted" if m is not None else "guess"
             row[name][0] += r.seconds
             row[name][1] += r.plain_seconds

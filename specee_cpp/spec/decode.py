@@ -124,7 +124,8 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                   policy: DraftPolicy | int, sampling: SamplingConfig,
                   trace: Callable[[dict], None] | None = None,
                   context: ContextSource | None = None,
-                  verifier: Verifier | None = None) -> Iterator[Step]:
+                  verifier: Verifier | None = None, max_new: int | None = None
+                  ) -> Iterator[Step]:
     """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
     a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
     model is brought up to date (one batch) when a round drafts again. ``trace``, if given,
@@ -135,7 +136,8 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     policy's best predicted model-drafted round; the draft model (``dft``, None for a policy
     that never drafts) serves the others. ``verifier``, if
     given (greedy only), scores the rounds the draft model drafted instead of a full-depth
-    decode; the other rounds stay exact."""
+    decode; the other rounds stay exact. ``max_new``, if given, is the most tokens the
+    caller will take: no round drafts past it (the stream may still be stopped earlier)."""
     if isinstance(policy, int):
         policy = FixedGamma(policy)
     rng = np.random.default_rng(sampling.seed)
@@ -164,18 +166,24 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         # there too); a policy that may never draft leaves it to the first drafted round
         dft.prefill(prompt)
     yield Step(token=token, timings={"prefill": time.perf_counter() - t0})
+    n_out = 1
     while True:
         base_t = len(tgt.tokens)
+        # a round emits its accepted drafts and one token more: drafting past the caller's
+        # limit would pay to verify tokens that are never emitted
+        room = None if max_new is None else max(0, max_new - n_out - 1)
         ph = Phases()
         # 1. how many tokens to draft (0: a plain step)
         with ph("control"):
             policy.at_context(base_t)
             # a free draft from the context takes the round when it beats plain decoding
             # and the draft model's best predicted round; else the policy decides
-            free = context.plan(base_t + 1) if context is not None else []
+            free = context.plan(base_t + 1, room) if context is not None else []
             if free and policy.predicted_tps() > context.expected_tps:
                 free = []
             g_max = 0 if free else policy.plan()
+            if room is not None:
+                g_max = min(g_max, room)
         # 2. draft them, one at a time, while the policy keeps them
         draft, conf = list(free), []
         rows: list[np.ndarray] = []   # the draft's logits at each position (for a verifier)
@@ -247,6 +255,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
             trace({"gamma": len(draft), "draft_top1": [round(c[0], 5) for c in conf],
                    "draft_entropy": [round(c[1], 5) for c in conf], "n_accept": n_acc,
                    "t_draft": ph.seconds["draft"], "t_verify": ph.seconds["verify"]})
+        n_out += n_acc + 1
         for tok in draft[:n_acc]:
             yield Step(token=tok, exit_layer=exit_layer)
         # a plain step may follow a draft whose first token was dropped (g_max > 0)

@@ -254,12 +254,12 @@ class Spec(Mode):
         # there no longer than the draft model's longest
         follow_max = MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
 
-        def run(tokens):
+        def run(tokens, max_new):
             steps = generate_spec(
                 llm.tgt.seq, dft, tokens, policy, sampling,
                 context=ContextSource(costs, history=hist.trie if hist else None,
                                       model=copy, follow_max=follow_max)
-                if with_context else None)
+                if with_context else None, max_new=max_new)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)
             return with_note(steps, note)
@@ -278,7 +278,7 @@ class Spec(Mode):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""
         llm.release_draft()
         start = PLAIN.start(llm, sampling, PLAIN.Options())
-        return lambda tokens: with_note(start(tokens), note + "; draft not in memory")
+        return lambda tokens, max_new: with_note(start(tokens, max_new), note + "; draft not in memory")
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode spec gamma {opts.gamma}"

@@ -185,8 +185,6 @@ class ContextSource:
         # the longest follow draft: MAX_VERIFY - 1 where verification is sampled (each
         # drafted token costs a one-hot n_vocab row there)
         self.follow_max = follow_max
-        self._follow_cap = self.FOLLOW_START   # longest follow draft now: doubles while kept
-        self._following = False
         self._band = 0
         self._src = 0
 
@@ -217,17 +215,18 @@ class ContextSource:
 
     # A long copy in progress (its last FOLLOW_MIN tokens repeat an earlier stretch
     # token for token, and the trie's first guesses have been right >= FOLLOW_HITS of the
-    # recent time) is drafted from that stretch, FOLLOW_START tokens at first and twice as
-    # many after each such draft kept whole, up to a batch of MAX_FREE_VERIFY: where a row of
-    # a long batch costs less than of a short one (config.LONG_BATCHES), copying long pays.
-    # Thresholds chosen on dev streams (scripts/replay_copy_rules.py: 5-fold replay, the
-    # 2-core EPYC's v7 cost table): code edits 1.566x -> 1.632x of plain, second turns
-    # 1.072x -> 1.053x, summaries 1.065x -> 1.047x (docs/draft-length.md, "Long copies").
-    # llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match, unconditionally.
+    # recent time) is drafted from that stretch, as far as it goes, up to a batch of
+    # MAX_FREE_VERIFY and the caller's limit: where a row of a long batch costs less than
+    # one of a short batch (config.LONG_BATCHES), copying long pays, and such a copy breaks
+    # off rarely (0.6% of the followed tokens of dev code edits). Chosen on dev streams
+    # (scripts/replay_copy_rules.py: 5-fold replay, the 2-core EPYC's v7 cost table, no
+    # draft past max_tokens): code edits 1.575x of plain without the rule, 1.681x drafting 15
+    # tokens first and doubling while kept whole, 1.743x drafting the whole stretch; second
+    # turns 1.081x / 1.072x / 1.072x, summaries 1.124x / 1.124x / 1.126x (docs/draft-length.md,
+    # "Long copies"). llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match.
     COPY_GRAM = 4
     FOLLOW_MIN = 16
     FOLLOW_HITS = 0.8
-    FOLLOW_START = MAX_VERIFY - 1
 
     def _follow(self, t: int) -> None:
         """Before ``t`` joins the context: advance the followed copy if ``t`` continues it,
@@ -269,42 +268,41 @@ class ContextSource:
             return self.model.predict(self.features(prop))
         return np.asarray(prop.probs) * self._rate(self._src, self._band)
 
-    def _long_copy(self, costs) -> list[int]:
-        """The followed copy's continuation, as long as the costs make it pay with every
-        token accepted; empty unless a long copy is in progress (FOLLOW_MIN, FOLLOW_HITS)."""
+    def _long_copy(self, costs, room: int) -> list[int]:
+        """The followed copy's continuation (at most ``room`` tokens), as long as the costs
+        make it pay with every token accepted; empty unless a long copy is in progress
+        (FOLLOW_MIN, FOLLOW_HITS)."""
         toks, ptr = self.trie.tokens, self._ptr
         if ptr is None or self.copy_len < self.FOLLOW_MIN or self.hits < self.FOLLOW_HITS:
             return []
-        own = toks[ptr:ptr + min(self._follow_cap, self.follow_max)]
+        own = toks[ptr:ptr + min(self.follow_max, room)]
         best_g, best = best_prefix(1.0 + np.arange(1, len(own) + 1), costs)  # all accepted
         if best_g:
             self.expected_tps, self._src, self._band = best, 0, len(self.BANDS)
-            self._following = True
         return own[:best_g]
 
-    def plan(self, n_context: int) -> list[int]:
+    def plan(self, n_context: int, room: int | None = None) -> list[int]:
+        """This round's free draft for a cache of ``n_context`` tokens, at most ``room``
+        tokens (the caller's limit); empty: plain decoding pays more."""
         costs = self.table.at(n_context)
-        self._following = False
-        long = self._long_copy(costs)
+        self.expected_tps = 1.0 / costs.plain
+        room = self.follow_max if room is None else room
+        if room < 1:
+            return []
+        long = self._long_copy(costs, room)
         if long:
             return long
         prop = self.propose()
-        self.expected_tps = 1.0 / costs.plain
         if not prop.tokens:
             return []
         # expected tokens of a round drafting g: 1 + P(first accepted) + P(first two) + ...
-        expect = 1.0 + np.cumsum(np.cumprod(self.accept_probs(prop)))
+        expect = 1.0 + np.cumsum(np.cumprod(self.accept_probs(prop)[:room]))
         best_g, self.expected_tps = best_prefix(expect, costs)
         return prop.tokens[:best_g]
 
     def update(self, n_drafted: int, n_accept: int) -> None:
         """After a context round: tokens before the first rejection were accepted (each a
         success), the first rejected one a failure, the rest unobserved."""
-        if self._following and n_drafted:
-            # a follow draft kept whole earns a longer one (up to a batch of
-            # MAX_FREE_VERIFY); one cut short starts again from the short ones
-            self._follow_cap = (min(2 * self._follow_cap + 1, MAX_FREE_VERIFY - 1)
-                                if n_accept == n_drafted else self.FOLLOW_START)
         if n_drafted:
             self.beta[self._src][self._band][0] += n_accept
             self.beta[self._src][self._band][1] += n_accept < n_drafted
