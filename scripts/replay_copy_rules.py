@@ -5,10 +5,11 @@ The streams are the target's plain greedy outputs that `scripts/fit_copy_model.p
 under $SPECEE_CPP_HOME/copy-profile (run it first). Five folds by stream: each stream is
 replayed (spec/copy_model.simulate: its rounds exactly, its time from this machine's cost
 table) by a copy model fitted without its fold. One line per setting of the rule
-(ContextSource.FOLLOW_MIN / FOLLOW_HITS / FOLLOW_START): speed-up over plain decoding per
-category and over all streams. `--settings off` replays without the rule.
+(ContextSource.FOLLOW_MIN / FOLLOW_HITS): speed-up over plain decoding per category and over
+all streams. `--settings off` replays without the rule. No round drafts past the run's
+max_tokens, as in `generate_spec`.
 
-    python scripts/replay_copy_rules.py [--settings 16:0.8:15,off,12:0.7:15]
+    python scripts/replay_copy_rules.py [--settings 16:0.8,off,12:0.7]
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def main() -> int:
                     help="only for this machine's cost table (measured once, cached)")
     ap.add_argument("--edit-step", type=int, default=2,
                     help="as fit_copy_model.py was run (which dev code edits)")
-    ap.add_argument("--settings", default="off,16:0.8:15",
-                    help="comma-separated MIN:HITS:START, or off (no long-copy rule)")
+    ap.add_argument("--settings", default="off,16:0.8",
+                    help="comma-separated MIN:HITS, or off (no long-copy rule)")
     ns = ap.parse_args()
 
     from specee_cpp.config import LoadConfig
@@ -52,15 +53,14 @@ def main() -> int:
                               lambda msg: print(msg, file=sys.stderr))
     models = [cm.fit([s for i, s in enumerate(streams) if i % FOLDS != f]) for f in range(FOLDS)]
     print(f"{len(streams)} dev streams, {FOLDS}-fold; {where}; cost table {table.key}")
-    default = (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS, ContextSource.FOLLOW_START)
+    default = (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS)
     try:
         for spec in ns.settings.split(","):
             if spec == "off":
                 ContextSource.FOLLOW_MIN = 10**9
             else:
-                m, h, st = spec.split(":")
-                (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS,
-                 ContextSource.FOLLOW_START) = int(m), float(h), int(st)
+                m, h = spec.split(":")
+                ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS = int(m), float(h)
             per: dict[str, list[float]] = {}
             for i, s in enumerate(streams):
                 r = cm.simulate(s["prompt"], s["output"], table, models[i % FOLDS],
@@ -72,11 +72,9 @@ def main() -> int:
             print(f"{spec:>12}: " + ", ".join(f"{c} {v[1] / v[0]:.3f}"
                                               for c, v in sorted(per.items()))
                   + f"; all {total:.3f}")
-            (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS,
-             ContextSource.FOLLOW_START) = default
+            ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS = default
     finally:
-        (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS,
-         ContextSource.FOLLOW_START) = default
+        ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS = default
     return 0
 
 
