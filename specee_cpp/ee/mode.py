@@ -191,8 +191,10 @@ class EarlyExit(Mode):
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
         thresholds, sched, note = plan(llm, pred, opts)
-        return lambda tokens, max_new: with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
-                                                    thresholds, rule=opts.rule), note)
+        # one token a step: nothing to keep within max_tokens
+        return lambda tokens, max_new: with_note(
+            generate_ee(llm.tgt.seq, tokens, provider, pred, sched, thresholds,
+                        rule=opts.rule), note)
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode ee {opts.provider or 'auto'} {opts.rule} "

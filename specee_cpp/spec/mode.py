@@ -278,7 +278,8 @@ class Spec(Mode):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""
         llm.release_draft()
         start = PLAIN.start(llm, sampling, PLAIN.Options())
-        return lambda tokens, max_new: with_note(start(tokens, max_new), note + "; draft not in memory")
+        return lambda tokens, max_new: with_note(start(tokens, max_new),
+                                                 note + "; draft not in memory")
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode spec gamma {opts.gamma}"
