@@ -81,7 +81,7 @@ def _streams(seed: int, n: int = 30) -> list[dict]:
 
 def test_fitted_model_beats_the_built_in_guess_on_held_out_streams(tmp_path, monkeypatch):
     # the trie's proposals judged by the model or the guess: long copies followed without
-    # either (test_a_long_copy_is_followed_in_ever_longer_drafts) kept out of this comparison
+    # either (test_a_long_copy_is_drafted_whole_within_the_limit) kept out of this comparison
     monkeypatch.setattr(ContextSource, "FOLLOW_MIN", 10**9)
     data = _streams(0)
     rep = held_out_report(data, STEEP, more_costs={"again": STEEP})
@@ -176,3 +176,8 @@ def test_a_long_copy_is_drafted_whole_within_the_limit():
     short.extend(text)
     short.extend(text[:40], emitted=True)
     assert short.plan(340) == text[40:40 + MAX_VERIFY - 1]
+    # the replay's oracle knows the copied stretch too: it bounds the long-copy rule
+    out = text[:200]
+    follow, bound = simulate(text, out, FLAT), simulate(text, out, FLAT, oracle=True)
+    assert follow.drafted > 100 and bound.drafted == bound.accepted
+    assert bound.speedup >= follow.speedup

@@ -31,7 +31,7 @@ from ..errors import SpeceeError
 from ..mlp import forward, load_npz, save_npz, train_mlp
 from ..paths import BUNDLE_DIR
 from .decode import accept_greedy
-from .suffix import ContextSource
+from .suffix import ContextSource, best_prefix
 
 MODEL_VERSION = 1
 FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",
@@ -112,8 +112,9 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
              oracle: bool = False, limit: int | None = None) -> Simulated:
     """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
     ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``. With
-    ``oracle`` it knows how much of each proposal will be accepted and drafts exactly that
-    where it pays: the bound of any acceptance model for this drafter and these costs.
+    ``oracle`` it knows how much of each proposal (the trie's, and the copied stretch's
+    continuation) will be accepted and drafts exactly the better one's accepted part where
+    it pays: the bound of any acceptance model for this drafter and these costs.
     ``limit``: the output was cut at that many tokens (the run's max_tokens), which, as in
     ``generate_spec``, no draft reaches past."""
     src = _start(prompt, output, costs, model)
@@ -125,9 +126,13 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
         target_at = lambda i: output[t + i] if t + i < len(output) else -1  # noqa: E731
         room = None if limit is None else max(0, limit - t - 1)
         if oracle:
-            d = src.propose().tokens[:room]
-            a = accept_greedy(d, target_at)[0]
-            d = d[:a] if a and (a + 1) / c.verify(a + 1) > 1 / c.plain else []
+            d, best = [], 1.0 / c.plain
+            n = src.follow_max if room is None else room
+            for cand in (src.propose().tokens[:n], src.copy_continuation(n)):
+                a = accept_greedy(cand, target_at)[0]
+                g, tps = best_prefix(1.0 + np.arange(1, a + 1), c)
+                if tps > best:
+                    d, best = cand[:g], tps
         else:
             d = src.plan(n_ctx, room)
         a = accept_greedy(d, target_at)[0]

@@ -268,14 +268,20 @@ class ContextSource:
             return self.model.predict(self.features(prop))
         return np.asarray(prop.probs) * self._rate(self._src, self._band)
 
+    def copy_continuation(self, n: int) -> list[int]:
+        """Up to ``n`` tokens that follow the copied stretch in the context (empty: the
+        context's last COPY_GRAM tokens occurred nowhere before)."""
+        if self._ptr is None:
+            return []
+        return self.trie.tokens[self._ptr:self._ptr + n]
+
     def _long_copy(self, costs, room: int) -> list[int]:
         """The followed copy's continuation (at most ``room`` tokens), as long as the costs
         make it pay with every token accepted; empty unless a long copy is in progress
         (FOLLOW_MIN, FOLLOW_HITS)."""
-        toks, ptr = self.trie.tokens, self._ptr
-        if ptr is None or self.copy_len < self.FOLLOW_MIN or self.hits < self.FOLLOW_HITS:
+        if self.copy_len < self.FOLLOW_MIN or self.hits < self.FOLLOW_HITS:
             return []
-        own = toks[ptr:ptr + min(self.follow_max, room)]
+        own = self.copy_continuation(min(self.follow_max, room))
         best_g, best = best_prefix(1.0 + np.arange(1, len(own) + 1), costs)  # all accepted
         if best_g:
             self.expected_tps, self._src, self._band = best, 0, len(self.BANDS)
