@@ -60,17 +60,24 @@ class CostModel:
         t = self.target_batch_s
         if n <= len(t):
             return t[n - 1]
-        # between measured longer batches: linear; past the last, its slope
-        xs = [len(t)] + list(self.long_sizes)
-        ys = [t[-1]] + list(self.long_batch_s)
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if n <= x1:
-                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-        if len(xs) > 1:
+        return float(self.verify_curve(n)[-1])
+
+    def verify_curve(self, n_max: int) -> np.ndarray:
+        """verify(n) for n = 1..n_max (index n - 1) in one array: between measured longer
+        batches linear, past the last one its slope (a free draft's best length is chosen
+        over up to 63 of them every round)."""
+        t = self.target_batch_s
+        xs = np.array(list(range(1, len(t) + 1)) + list(self.long_sizes), dtype=np.float64)
+        ys = np.array(list(t) + list(self.long_batch_s), dtype=np.float64)
+        n = np.arange(1, n_max + 1, dtype=np.float64)
+        out = np.interp(n, xs, ys)
+        if self.long_sizes:
             slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         else:
             slope = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else t[-1]
-        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
+        past = n > xs[-1]
+        out[past] = ys[-1] + max(slope, 0.0) * (n[past] - xs[-1])
+        return out
 
     def expected_tps(self, accept: float, gamma: int) -> float:
         """Expected tokens per second of draft length gamma at per-token acceptance accept."""

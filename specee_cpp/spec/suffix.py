@@ -128,12 +128,13 @@ def best_prefix(expect, costs) -> tuple[int, float]:
     """(g, tokens per second) of the free draft length g that maximises ``expect[g - 1]``
     tokens (expected from drafting g) per verification of g + 1; (0, plain's) where none
     beats plain decoding (a free draft costs only its verification)."""
-    best_g, best = 0, 1.0 / costs.plain
-    for g, e in enumerate(expect, 1):
-        tps = e / costs.verify(g + 1)
-        if tps > best:
-            best_g, best = g, tps
-    return best_g, best
+    plain = 1.0 / costs.plain
+    expect = np.asarray(expect, dtype=np.float64)
+    if not len(expect):
+        return 0, plain
+    tps = expect / costs.verify_curve(len(expect) + 1)[1:]
+    g = int(np.argmax(tps))   # the shortest of equally good lengths
+    return (g + 1, float(tps[g])) if tps[g] > plain else (0, plain)
 
 
 class ContextSource:
