@@ -103,11 +103,13 @@ def main() -> int:
         table = cost_model(llm)
         where = machine(llm.config.threads)
         gpu = gpu_like(table.points[0], llm.model.bits_per_weight)
+        eog = llm.model.eog_tokens
     meta = {"target": llm.model.path.name, "target_sha256": sha,
             "data": f"{len(data)} dev streams (scripts/fit_copy_model.py, --edit-step "
                     f"{ns.edit_step})"}
     log("held-out report (this machine's costs and GPU-like ones)")
-    held_out = held_out_report(data, table, meta, more_costs={"gpu_like": gpu})
+    held_out = held_out_report(data, table, meta, more_costs={"gpu_like": gpu},
+                               is_eog=eog.__contains__)
     report = {"command": "python scripts/fit_copy_model.py " + " ".join(sys.argv[1:]),
               "date": datetime.date.today().isoformat(), "machine": describe(where),
               "features": list(FEATURES),

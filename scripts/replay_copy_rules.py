@@ -51,6 +51,7 @@ def main() -> int:
         # the cached streams (with each run's max_tokens); any missing one is decoded now
         streams = dev_streams(llm, prompts(ns.edit_step), cache,
                               lambda msg: print(msg, file=sys.stderr))
+        eog = llm.model.eog_tokens
     models = [cm.fit([s for i, s in enumerate(streams) if i % FOLDS != f]) for f in range(FOLDS)]
     print(f"{len(streams)} dev streams, {FOLDS}-fold; {where}; cost table {table.key}")
     default = (ContextSource.FOLLOW_MIN, ContextSource.FOLLOW_HITS)
@@ -64,7 +65,7 @@ def main() -> int:
             per: dict[str, list[float]] = {}
             for i, s in enumerate(streams):
                 r = cm.simulate(s["prompt"], s["output"], table, models[i % FOLDS],
-                                limit=s["max_tokens"])
+                                limit=s["max_tokens"], is_eog=eog.__contains__)
                 row = per.setdefault(s["category"], [0.0, 0.0])
                 row[0] += r.seconds
                 row[1] += r.plain_seconds

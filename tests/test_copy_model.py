@@ -59,6 +59,41 @@ def test_simulate_drafts_copies_where_verification_is_cheap_and_not_where_it_is_
     assert fresh.drafted == 0 and fresh.rounds == 59 and fresh.speedup == pytest.approx(1.0)
 
 
+class Const:
+    """A copy model that predicts one acceptance probability for every token."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def predict(self, X):
+        return np.full(len(X), self.p)
+
+
+def test_drafts_end_at_the_end_of_generation(monkeypatch):
+    """A draft copied from the prompt stops with the end-of-turn token it copies: rows after
+    it would be verified for nothing (the answer ends there if the target agrees)."""
+    rng = np.random.default_rng(4)
+    text = [int(t) for t in rng.integers(1000, 5000, 120)]
+    end = 7
+
+    def source():
+        src = ContextSource(FLAT, model=Const(1.0), is_eog=lambda t: t == end)
+        src.extend(text[:60] + [end] + text[60:])    # a turn that ends after 60 tokens
+        src.extend(text[:40], emitted=True)           # the answer copies it
+        return src
+
+    assert source().plan(200) == text[40:60] + [end]          # the long-copy rule
+    assert ContextSource(FLAT).to_end(text[40:60] + [end, 1]) == text[40:60] + [end, 1]
+    monkeypatch.setattr(ContextSource, "FOLLOW_MIN", 10**9)   # the trie's proposals
+    src = source()
+    src.extend(text[40:52], emitted=True)
+    assert src.plan(212) == text[52:60] + [end]
+    out = text[:60]
+    bound = simulate(text[:60] + [end] + text[60:], out, FLAT, oracle=True,
+                     is_eog=lambda t: t == end)
+    assert bound.drafted == bound.accepted
+
+
 def _streams(seed: int, n: int = 30) -> list[dict]:
     """Two kinds of output: ones that copy their prompt (accepted drafts) and ones that
     wander off it after a short echo (rejected drafts despite a confident trie)."""
@@ -127,13 +162,6 @@ def test_a_foreign_or_old_copy_model_file_is_refused(tmp_path):
 
 
 def test_drafter_uses_the_model_for_its_own_context_and_the_guess_for_the_history():
-    class Const:
-        def __init__(self, p):
-            self.p = p
-
-        def predict(self, X):
-            return np.full(len(X), self.p)
-
     text = _cycle(40)
     never = ContextSource(FLAT, model=Const(0.0))
     always = ContextSource(FLAT, model=Const(1.0))

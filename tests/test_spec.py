@@ -107,3 +107,39 @@ def test_a_run_that_will_not_draft_does_not_load_the_draft(small_model, random_d
         assert llm.draft_loaded and r.stats.n_drafted > 0
         llm.release_draft()
         assert not llm.draft_loaded
+
+
+def test_a_model_draft_ends_at_the_end_of_generation(small_model):
+    """With the target as its own draft, a round that drafts the answer's end-of-turn token
+    stops drafting there (rows after it would be verified for nothing)."""
+    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.spec.policies import FixedGamma
+
+    def after_end(llm, gamma: int, is_eog) -> int | None:
+        """Tokens drafted after the end in the round that drafted it (None: the end was the
+        target's own token, not a drafted one)."""
+        llm.reset()
+        toks = llm.prompt_tokens("Reply with one word: what colour is the sky?")
+        steps, end = [], None
+        for step in generate_spec(llm.tgt.seq, llm.dft.seq, toks, FixedGamma(gamma),
+                                  SamplingConfig(), is_eog=is_eog):
+            steps.append(step)
+            if end is None and llm.model.is_eog(step.token):
+                end = len(steps) - 1
+            if (end is not None and step.timings) or len(steps) > 60:
+                break
+        # the round whose accepted drafts hold the end: its last step (the one with the
+        # round's timings and counts) comes later
+        last = next(i for i in range(end, len(steps)) if steps[i].timings)
+        start = last - steps[last].n_accept       # its first drafted token's step
+        if not start <= end < last:
+            return None
+        return steps[last].n_drafted - (end - start + 1)
+
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as llm:
+        is_eog = llm.model.is_eog
+        cases = [(g, after_end(llm, g, None)) for g in (3, 5, 8)]
+        past = [g for g, n in cases if n]
+        assert past, cases      # some gamma drafts on past the end without the test
+        for g in past:
+            assert after_end(llm, g, is_eog) == 0, g

@@ -141,6 +141,12 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
+    @functools.cached_property
+    def eog_tokens(self) -> frozenset[int]:
+        """Every end-of-generation token of the vocabulary (a pass over it, ~0.1 s once):
+        for code that must test tokens after the model is closed (replays)."""
+        return frozenset(t for t in range(self.n_vocab) if self.is_eog(t))
+
     @property
     def bits_per_weight(self) -> float:
         """File bits per parameter: the compression level a draft-length controller sees

@@ -71,7 +71,8 @@ class SpecEE(Mode):
             thresholds, sched, note = plan(llm, pred, opts.ee)
             verifier = HyperVerifier(pred, sched, thresholds, opts.rule)
             return with_note(generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling,
-                                           verifier=verifier, max_new=max_new),
+                                           verifier=verifier, max_new=max_new,
+                                           is_eog=llm.model.is_eog),
                              f"{note_gamma}; {note}")
 
         return run

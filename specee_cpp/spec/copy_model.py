@@ -69,9 +69,10 @@ class CopyModel:
         return cls(tuple(arrays[n] for n in _NAMES), meta)
 
 
-def _start(prompt: list[int], output: list[int], costs=None, model=None) -> ContextSource:
+def _start(prompt: list[int], output: list[int], costs=None, model=None,
+           is_eog=None) -> ContextSource:
     # as generate_spec starts it: the prompt and the first token (from prefill) unscored
-    src = ContextSource(costs, model=model)
+    src = ContextSource(costs, model=model, is_eog=is_eog)
     src.extend(list(prompt) + list(output[:1]))
     return src
 
@@ -109,15 +110,16 @@ class Simulated:
 
 
 def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | None = None,
-             oracle: bool = False, limit: int | None = None) -> Simulated:
+             oracle: bool = False, limit: int | None = None, is_eog=None) -> Simulated:
     """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
     ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``. With
     ``oracle`` it knows how much of each proposal (the trie's, and the copied stretch's
     continuation) will be accepted and drafts exactly the better one's accepted part where
     it pays: the bound of any acceptance model for this drafter and these costs.
     ``limit``: the output was cut at that many tokens (the run's max_tokens), which, as in
-    ``generate_spec``, no draft reaches past."""
-    src = _start(prompt, output, costs, model)
+    ``generate_spec``, no draft reaches past; ``is_eog``: the target's end-of-generation
+    test, after whose tokens no draft goes on (as the spec mode drafts)."""
+    src = _start(prompt, output, costs, model, is_eog)
     t, seconds, plain, rounds, drafted, accepted = 1, 0.0, 0.0, 0, 0, 0
     while t < len(output):
         n_ctx = len(prompt) + t
@@ -128,7 +130,7 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
         if oracle:
             d, best = [], 1.0 / c.plain
             n = src.follow_max if room is None else room
-            for cand in (src.propose().tokens[:n], src.copy_continuation(n)):
+            for cand in (src.to_end(src.propose().tokens[:n]), src.copy_continuation(n)):
                 a = accept_greedy(cand, target_at)[0]
                 g, tps = best_prefix(1.0 + np.arange(1, a + 1), c)
                 if tps > best:
@@ -188,13 +190,14 @@ def _log_loss(p: np.ndarray, y: np.ndarray) -> float:
 
 
 def held_out_report(streams: list[dict], costs, meta: dict | None = None,
-                    more_costs: dict | None = None) -> dict:
+                    more_costs: dict | None = None, is_eog=None) -> dict:
     """Fit without every fifth stream (from the second, so that the held-out ones span the
     sources) and score on those: log loss against the built-in guess (share x 2/3, its
     prior) and the base rate, and the simulated speed-up over plain decoding with
     ``costs`` (``simulated``), per category, of the drafter with the fitted model, with its
     guess and with an oracle's knowledge of what will be accepted. ``more_costs`` (name ->
-    costs) replays the same fit under other cost tables too (``simulated_more``)."""
+    costs) replays the same fit under other cost tables too (``simulated_more``);
+    ``is_eog`` as in ``simulate``."""
     held = set(range(1, len(streams), 5))
     train = [s for i, s in enumerate(streams) if i not in held]
     test = [s for i, s in enumerate(streams) if i in held]
@@ -207,13 +210,14 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None,
         rep["log_loss_guess"] = _log_loss(X[:, 0] * 2 / 3, y)
         rep["log_loss_base_rate"] = _log_loss(np.full(len(y), y.mean()), y)
         rep["held_out_base_rate"] = float(y.mean())
-    rep["simulated"] = _replay(test, model, costs)
+    rep["simulated"] = _replay(test, model, costs, is_eog)
     if more_costs:
-        rep["simulated_more"] = {name: _replay(test, model, c) for name, c in more_costs.items()}
+        rep["simulated_more"] = {name: _replay(test, model, c, is_eog)
+                                 for name, c in more_costs.items()}
     return rep
 
 
-def _replay(test: list[dict], model: CopyModel, costs) -> dict:
+def _replay(test: list[dict], model: CopyModel, costs, is_eog=None) -> dict:
     """Per category: simulated speed-up over plain of the fitted model, the guess and the
     oracle on the streams ``test``, with drafted/accepted counts."""
     per: dict[str, dict] = {}
@@ -223,11 +227,11 @@ def _replay(test: list[dict], model: CopyModel, costs) -> dict:
                                                        "accepted": [0, 0], "oracle": [0.0, 0.0]})
         row["streams"] += 1
         limit = s.get("max_tokens")
-        r = simulate(s["prompt"], s["output"], costs, oracle=True, limit=limit)
+        r = simulate(s["prompt"], s["output"], costs, oracle=True, limit=limit, is_eog=is_eog)
         row["oracle"][0] += r.seconds
         row["oracle"][1] += r.plain_seconds
         for k, m in enumerate((model, None)):
-            r = simulate(s["prompt"], s["output"], costs, m, limit=limit)
+            r = simulate(s["prompt"], s["output"], costs, m, limit=limit, is_eog=is_eog)
             name = "fitted" if m is not None else "guess"
             row[name][0] += r.seconds
             row[name][1] += r.plain_seconds

@@ -124,8 +124,8 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                   policy: DraftPolicy | int, sampling: SamplingConfig,
                   trace: Callable[[dict], None] | None = None,
                   context: ContextSource | None = None,
-                  verifier: Verifier | None = None, max_new: int | None = None
-                  ) -> Iterator[Step]:
+                  verifier: Verifier | None = None, max_new: int | None = None,
+                  is_eog: Callable[[int], bool] | None = None) -> Iterator[Step]:
     """Speculative decoding; ``policy`` says how many tokens to draft each round (an int is
     a fixed gamma). A round with nothing drafted is a plain decoding step, and the draft
     model is brought up to date (one batch) when a round drafts again. ``trace``, if given,
@@ -137,7 +137,9 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     that never drafts) serves the others. ``verifier``, if
     given (greedy only), scores the rounds the draft model drafted instead of a full-depth
     decode; the other rounds stay exact. ``max_new``, if given, is the most tokens the
-    caller will take: no round drafts past it (the stream may still be stopped earlier)."""
+    caller will take: no round drafts past it (the stream may still be stopped earlier);
+    ``is_eog``, if given, ends a model draft at an end-of-generation token (the free
+    drafter cuts its own, ``ContextSource.is_eog``)."""
     if isinstance(policy, int):
         policy = FixedGamma(policy)
     rng = np.random.default_rng(sampling.seed)
@@ -209,7 +211,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 tok, dist = choose(dft, lg)
                 draft.append(tok)
                 q.append(dist)
-                if i == g_max - 1:
+                if i == g_max - 1 or (is_eog is not None and is_eog(tok)):
                     break
                 with ph("control"):
                     go_on = policy.more(i)

@@ -258,8 +258,9 @@ class Spec(Mode):
             steps = generate_spec(
                 llm.tgt.seq, dft, tokens, policy, sampling,
                 context=ContextSource(costs, history=hist.trie if hist else None,
-                                      model=copy, follow_max=follow_max)
-                if with_context else None, max_new=max_new)
+                                      model=copy, follow_max=follow_max,
+                                      is_eog=llm.model.is_eog)
+                if with_context else None, max_new=max_new, is_eog=llm.model.is_eog)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)
             return with_note(steps, note)

@@ -12,6 +12,7 @@ depth runs out. Its per-token shares are the drafter's acceptance estimates.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -163,7 +164,8 @@ class ContextSource:
 
     def __init__(self, costs, depth: int = 8, n_max: int = MAX_VERIFY - 1,
                  history: SuffixTrie | None = None, model=None,
-                 follow_max: int = MAX_FREE_VERIFY - 1):
+                 follow_max: int = MAX_FREE_VERIFY - 1,
+                 is_eog: Callable[[int], bool] | None = None):
         from .cost import as_table
 
         self.table = as_table(costs) if costs is not None else None
@@ -186,6 +188,10 @@ class ContextSource:
         # the longest follow draft: MAX_VERIFY - 1 where verification is sampled (each
         # drafted token costs a one-hot n_vocab row there)
         self.follow_max = follow_max
+        # end-of-generation tokens (the chat template's end of turn, copied from the prompt):
+        # a draft ends with one, as the answer would; rows after it would be verified for
+        # nothing (5% of the replayed time of dev code edits)
+        self.is_eog = is_eog
         self._band = 0
         self._src = 0
 
@@ -269,12 +275,21 @@ class ContextSource:
             return self.model.predict(self.features(prop))
         return np.asarray(prop.probs) * self._rate(self._src, self._band)
 
+    def to_end(self, tokens: list[int]) -> list[int]:
+        """``tokens`` up to and with the first end-of-generation token."""
+        if self.is_eog is not None:
+            for i, t in enumerate(tokens):
+                if self.is_eog(t):
+                    return tokens[:i + 1]
+        return tokens
+
     def copy_continuation(self, n: int) -> list[int]:
-        """Up to ``n`` tokens that follow the copied stretch in the context (empty: the
-        context's last COPY_GRAM tokens occurred nowhere before)."""
+        """Up to ``n`` tokens that follow the copied stretch in the context, to the first
+        end of generation (empty: the context's last COPY_GRAM tokens occurred nowhere
+        before)."""
         if self._ptr is None:
             return []
-        return self.trie.tokens[self._ptr:self._ptr + n]
+        return self.to_end(self.trie.tokens[self._ptr:self._ptr + n])
 
     def _long_copy(self, costs, room: int) -> list[int]:
         """The followed copy's continuation (at most ``room`` tokens), as long as the costs
@@ -300,12 +315,13 @@ class ContextSource:
         if long:
             return long
         prop = self.propose()
-        if not prop.tokens:
+        tokens = self.to_end(prop.tokens[:room])
+        if not tokens:
             return []
         # expected tokens of a round drafting g: 1 + P(first accepted) + P(first two) + ...
-        expect = 1.0 + np.cumsum(np.cumprod(self.accept_probs(prop)[:room]))
+        expect = 1.0 + np.cumsum(np.cumprod(self.accept_probs(prop)[:len(tokens)]))
         best_g, self.expected_tps = best_prefix(expect, costs)
-        return prop.tokens[:best_g]
+        return tokens[:best_g]
 
     def update(self, n_drafted: int, n_accept: int) -> None:
         """After a context round: tokens before the first rejection were accepted (each a
