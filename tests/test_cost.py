@@ -39,6 +39,11 @@ def test_longer_batches_are_read_from_their_measured_points():
                       long_sizes=[24, 32, 48], long_batch_s=[20.0, 24.0, 32.0], context=1000)
     mid = cost.CostTable([replace(m, context=0), other]).at(500)
     assert mid.long_sizes == [24, 32, 48] and mid.verify(32) == pytest.approx(18.0)
+    # the whole curve at once (what a free draft's length is chosen over) says the same
+    for model in (m, mid, replace(m, long_sizes=[], long_batch_s=[])):
+        curve = model.verify_curve(80)
+        assert curve == pytest.approx([model.verify(n) for n in range(1, 81)])
+        assert curve[15] == model.target_batch_s[15] and len(curve) == 80
 
 
 def test_gamma_choice_follows_costs_not_thresholds():
