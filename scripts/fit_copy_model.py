@@ -42,6 +42,22 @@ def prompts(edit_step: int):
     return [(p, 64) for p in pool] + [(p, 192) for p in edits]
 
 
+def add_data_args(ap: argparse.ArgumentParser) -> None:
+    """The options that say which dev streams (also scripts/replay_copy_rules.py's)."""
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b",
+                    help="only for this machine's cost table (measured once, cached)")
+    ap.add_argument("--edit-step", type=int, default=2,
+                    help="use every Nth HumanEval dev task (0-81) as a code edit")
+
+
+def stream_cache(llm) -> Path:
+    """Where the target's dev streams are cached: $SPECEE_CPP_HOME/copy-profile."""
+    from specee_cpp.paths import home
+
+    return home() / "copy-profile" / f"{llm.model.sha256[:16]}.jsonl"
+
+
 def streams(llm, todo, cache: Path, log) -> list[dict]:
     """The target's plain greedy output for each prompt, with the prompt's tokens (cached)
     and the run's max_tokens (``max_tokens``: a replay drafts no further, as a run does)."""
@@ -76,17 +92,12 @@ def streams(llm, todo, cache: Path, log) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b",
-                    help="only for this machine's cost table (measured once, cached)")
-    ap.add_argument("--edit-step", type=int, default=2,
-                    help="use every Nth HumanEval dev task (0-81) as a code edit")
+    add_data_args(ap)
     ap.add_argument("--report", default=str(REPO / "docs" / "bench" / "copy-model.json"))
     ns = ap.parse_args()
 
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.paths import home
     from specee_cpp.provenance import describe, machine
     from specee_cpp.spec.copy_model import FEATURES, bundle_path, fit, held_out_report
     from specee_cpp.spec.mode import cost_model
@@ -97,7 +108,7 @@ def main() -> int:
 
     with LLM(ns.target, draft=ns.draft, config=LoadConfig(n_ctx=4096)) as llm:
         sha = llm.model.sha256
-        cache = home() / "copy-profile" / f"{sha[:16]}.jsonl"
+        cache = stream_cache(llm)
         cache.parent.mkdir(parents=True, exist_ok=True)
         data = streams(llm, prompts(ns.edit_step), cache, log)
         table = cost_model(llm)

@@ -20,29 +20,24 @@ FOLDS = 5
 
 
 def main() -> int:
+    from fit_copy_model import add_data_args, prompts, stream_cache, streams as dev_streams
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b",
-                    help="only for this machine's cost table (measured once, cached)")
-    ap.add_argument("--edit-step", type=int, default=2,
-                    help="as fit_copy_model.py was run (which dev code edits)")
+    add_data_args(ap)   # as fit_copy_model.py was run
     ap.add_argument("--settings", default="off,16:0.8",
                     help="comma-separated MIN:HITS, or off (no long-copy rule)")
     ns = ap.parse_args()
 
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.paths import home
     from specee_cpp.provenance import describe, machine
     from specee_cpp.spec import copy_model as cm
     from specee_cpp.spec.mode import cost_model
     from specee_cpp.spec.suffix import ContextSource
 
-    from fit_copy_model import prompts, streams as dev_streams
-
     with LLM(ns.target, draft=ns.draft, config=LoadConfig()) as llm:
         table = cost_model(llm)
-        cache = home() / "copy-profile" / f"{llm.model.sha256[:16]}.jsonl"
+        cache = stream_cache(llm)
         where = describe(machine(llm.config.threads))
         if not cache.is_file():
             print(f"no dev streams at {cache}: run scripts/fit_copy_model.py first",

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import SpeceeError
 from ..mlp import forward, load_npz, save_npz, train_mlp
 from ..paths import BUNDLE_DIR
-from .decode import accept_greedy
+from .decode import accept_greedy, draft_room
 from .suffix import ContextSource, best_prefix
 
 MODEL_VERSION = 1
@@ -126,7 +126,7 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
         c = src.table.at(n_ctx)
         # the target's greedy token after drafted prefix i is the output's (none past its end)
         target_at = lambda i: output[t + i] if t + i < len(output) else -1  # noqa: E731
-        room = None if limit is None else max(0, limit - t - 1)
+        room = draft_room(limit, t)
         if oracle:
             d, best = [], 1.0 / c.plain
             n = src.follow_max if room is None else room

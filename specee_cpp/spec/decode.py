@@ -58,6 +58,13 @@ def one_hot(token: int, seq: Sequence) -> np.ndarray:
     return q
 
 
+def draft_room(max_new: int | None, n_emitted: int) -> int | None:
+    """The most tokens a round may draft when ``n_emitted`` of at most ``max_new`` tokens are
+    out (None: no limit). A round emits its accepted drafts and one token more: drafting past
+    the limit would pay to verify tokens that are never emitted."""
+    return None if max_new is None else max(0, max_new - n_emitted - 1)
+
+
 def accept_greedy(draft: list[int], target_at: Callable[[int], int]) -> tuple[int, int]:
     """Greedy verification: (drafted tokens equal to the target's argmax, the target's token
     after them). ``target_at(i)`` is the target's greedy token after drafted prefix i; it is
@@ -171,9 +178,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     n_out = 1
     while True:
         base_t = len(tgt.tokens)
-        # a round emits its accepted drafts and one token more: drafting past the caller's
-        # limit would pay to verify tokens that are never emitted
-        room = None if max_new is None else max(0, max_new - n_out - 1)
+        room = draft_room(max_new, n_out)
         ph = Phases()
         # 1. how many tokens to draft (0: a plain step)
         with ph("control"):
