@@ -25,15 +25,33 @@ def test_samples_label_each_proposal_up_to_its_first_rejection():
     # 2 ("1 2" seen before, then 3 4 5 ...): 3 is right, 4 is wrong (9 came), then stop;
     # position 3 ("2 3" -> 4): wrong at once; position 4 ("3 9"): no match
     assert y.tolist() == [1.0, 0.0, 0.0]
-    assert X.shape == (3, len(FEATURES)) == (3, 8)
+    assert X.shape == (3, len(FEATURES)) == (3, 10)
     # share, log(1 + support), match, position; recent and overall hit rate, log(1 + run),
-    # log(1 + guesses made): no guess was made before position 2 (no 2-token match)
-    assert X[0] == pytest.approx([1.0, np.log(2), 2, 0, 0.5, 0.5, 0.0, 0.0])
+    # log(1 + guesses made): no guess was made before position 2 (no 2-token match); no
+    # copy followed (no 4 tokens repeat): source 0, log(1 + 0 back)
+    assert X[0] == pytest.approx([1.0, np.log(2), 2, 0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0])
     assert X[1][2:4].tolist() == [3, 1]       # "1 2 3" matched for the second token
     # the first guess at position 2 (3) was right: every rate moves up by one hit
     a = ContextSource.HIT_ALPHA
     assert X[2] == pytest.approx([1.0, np.log(2), 3, 0, 0.5 + a * 0.5, 2 / 3, np.log(2),
-                                  np.log(2)])
+                                  np.log(2), 0.0, 0.0])
+
+
+def test_features_say_where_the_followed_copy_comes_from():
+    # the output copies the prompt's first four tokens: a copy from the prompt, 8 back
+    src = ContextSource(None)
+    src.extend([10, 11, 12, 13, 14, 15, 16, 17, 10])     # the prompt and the first token
+    src.extend([11, 12, 13], emitted=True)
+    F = src.features(src.propose())
+    assert F[:, 8].tolist() == [-1.0] * len(F) and len(F) >= 1
+    assert F[:, 9] == pytest.approx([np.log1p(12 - 4)] * len(F))
+    # the output repeats four tokens of its own: a copy from the output, 5 back
+    src = ContextSource(None)
+    src.extend([1, 2, 3])
+    src.extend([20, 21, 22, 23, 24, 20, 21, 22, 23], emitted=True)
+    F = src.features(src.propose())
+    assert F[:, 8].tolist() == [1.0] * len(F) and len(F) >= 1
+    assert F[:, 9] == pytest.approx([np.log1p(12 - 7)] * len(F))
 
 
 def _cycle(n: int, period: int = 12, start: int = 100) -> list[int]:
@@ -143,7 +161,9 @@ def test_fitted_model_beats_the_built_in_guess_on_held_out_streams(tmp_path, mon
     path = tmp_path / "m.copy.npz"
     model.save(path)
     back = CopyModel.load(path)
-    X = np.array([[1.0, 2.0, 4, 0, 0.9, 0.8, 2.0, 3.0], [0.4, 0.5, 2, 3, 0.1, 0.2, 0.0, 1.0]])
+    assert len(model.nets) == len(back.nets) == 3
+    X = np.array([[1.0, 2.0, 4, 0, 0.9, 0.8, 2.0, 3.0, -1.0, 4.0],
+                  [0.4, 0.5, 2, 3, 0.1, 0.2, 0.0, 1.0, 0.0, 0.0]])
     assert np.allclose(back.predict(X), model.predict(X), atol=1e-5)
     with pytest.raises(SpeceeError, match="too few"):
         fit(data[:1])
@@ -154,7 +174,7 @@ def test_a_foreign_or_old_copy_model_file_is_refused(tmp_path):
 
     path = tmp_path / "old.copy.npz"
     model = fit(_streams(1))
-    save_npz(path, {f"n{i}": a for i, a in enumerate(model.net)}, {"version": 0})
+    save_npz(path, {f"n{i}": a for i, a in enumerate(model.nets[0])}, {"version": 1})
     with pytest.raises(SpeceeError, match="refit"):
         CopyModel.load(path)
     with pytest.raises(SpeceeError, match="not found"):

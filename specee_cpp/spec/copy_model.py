@@ -1,11 +1,12 @@
 """The copy model: the fitted acceptance of free drafts from the context.
 
-Each proposed token of the context drafter (spec/suffix.py) is described by eight numbers
+Each proposed token of the context drafter (spec/suffix.py) is described by ten numbers
 (``suffix.copy_features``: the trie's share and its support, the length of the suffix it
 was matched on, its position in the draft; the hit rate of the trie's first guess over the
-recent output and over all of it, its current run of right guesses and how many it made);
-the model, the one small MLP of ``mlp.py``, says how likely the target accepts the token
-given that the tokens before it were accepted. It replaces the drafter's built-in guess
+recent output and over all of it, its current run of right guesses and how many it made;
+where the copy being followed comes from, the prompt or the output, and how far back);
+the model, the mean of MEMBERS small MLPs of ``mlp.py``, says how likely the target accepts
+the token given that the tokens before it were accepted. It replaces the drafter's built-in guess
 (share x a per-run Beta posterior starting at 2/3), which is blind to what kind of output
 it is in: where verification is dear it never dares to draft, code edits included, and where
 verification is cheaper it also drafts chat answers that copy little.
@@ -33,14 +34,18 @@ from ..paths import BUNDLE_DIR
 from .decode import accept_greedy, draft_room
 from .suffix import ContextSource, best_prefix
 
-MODEL_VERSION = 1
+MODEL_VERSION = 2
 FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",
-            "log1p_run", "log1p_guesses")
+            "log1p_run", "log1p_guesses", "copy_source", "log1p_copy_back")
 _NAMES = [f"n{i}" for i in range(6)]
 PER_STREAM = 100   # samples kept per output stream when fitting (see ``dataset``)
 # ~8k samples in batches of 1k: at 30 epochs (~240 Adam steps) the net was still learning
 # (held-out log loss 0.325; 0.297 at 300, docs/bench/copy-model.json)
 EPOCHS = 300
+# Nets averaged, each fitted with its own seed and its own subsample of every stream: one
+# net's replayed speed-up moved by 1-2% with the seed alone (5-fold dev replay, all
+# streams 1.444-1.458x over seeds 0-2); three agree within 0.1% (docs/draft-length.md).
+MEMBERS = 3
 
 
 def bundle_path(target_sha256: str) -> Path:
@@ -49,24 +54,29 @@ def bundle_path(target_sha256: str) -> Path:
 
 @dataclass
 class CopyModel:
-    net: tuple
+    nets: tuple            # one (mu, sigma, W1, b1, W2, b2) per member
     meta: dict = field(default_factory=dict)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        return forward(self.net, X)
+        return np.mean([forward(net, X) for net in self.nets], axis=0)
 
     def save(self, path: Path) -> None:
-        save_npz(path, {n: a for n, a in zip(_NAMES, self.net)},
-                 dict(self.meta, version=MODEL_VERSION, features=list(FEATURES)))
+        save_npz(path, {f"m{k}{n}": a for k, net in enumerate(self.nets)
+                        for n, a in zip(_NAMES, net)},
+                 dict(self.meta, version=MODEL_VERSION, features=list(FEATURES),
+                      members=len(self.nets)))
 
     @classmethod
     def load(cls, path: Path) -> CopyModel:
-        meta, arrays = load_npz(path, _NAMES, "copy model")
+        meta, _ = load_npz(path, [], "copy model")
         if meta.get("version") != MODEL_VERSION or meta.get("features") != list(FEATURES):
             raise SpeceeError(f"copy model {path} has version {meta.get('version')} and "
                               f"features {meta.get('features')}; this build needs version "
                               f"{MODEL_VERSION}: refit with scripts/fit_copy_model.py")
-        return cls(tuple(arrays[n] for n in _NAMES), meta)
+        k = int(meta.get("members", 0))
+        _, arrays = load_npz(path, [f"m{m}{n}" for m in range(k) for n in _NAMES],
+                             "copy model")
+        return cls(tuple(tuple(arrays[f"m{m}{n}"] for n in _NAMES) for m in range(k)), meta)
 
 
 def _start(prompt: list[int], output: list[int], costs=None, model=None,
@@ -153,35 +163,44 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
     return Simulated(len(output) - 1, seconds, plain, rounds, drafted, accepted)
 
 
+def _pool(parts: list[tuple[np.ndarray, np.ndarray]], per_stream: int, seed: int
+          ) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    kept = []
+    for X, y in parts:
+        if 0 < per_stream < len(y):
+            keep = np.sort(rng.choice(len(y), per_stream, replace=False))
+            X, y = X[keep], y[keep]
+        kept.append((X, y))
+    if not kept:
+        return np.zeros((0, len(FEATURES))), np.zeros(0)
+    return np.concatenate([p[0] for p in kept]), np.concatenate([p[1] for p in kept])
+
+
 def dataset(streams: list[dict], per_stream: int = 0, seed: int = 0
             ) -> tuple[np.ndarray, np.ndarray]:
     """The samples of every stream; ``per_stream`` > 0 keeps at most that many of each (a
     seeded random subset), so that outputs that copy long runs (a code edit gives ~15
     samples a position) do not drown the chat answers that copy little."""
-    rng = np.random.default_rng(seed)
-    parts = []
-    for s in streams:
-        X, y = samples(s["prompt"], s["output"])
-        if 0 < per_stream < len(y):
-            keep = np.sort(rng.choice(len(y), per_stream, replace=False))
-            X, y = X[keep], y[keep]
-        parts.append((X, y))
-    if not parts:
-        return np.zeros((0, len(FEATURES))), np.zeros(0)
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return _pool([samples(s["prompt"], s["output"]) for s in streams], per_stream, seed)
 
 
 def fit(streams: list[dict], hidden: int = 16, epochs: int = EPOCHS, seed: int = 0,
-        per_stream: int = PER_STREAM, meta: dict | None = None) -> CopyModel:
-    """Fit on greedy output streams (``{"prompt": [...], "output": [...]}`` each)."""
-    X, y = dataset(streams, per_stream, seed)
-    if len(X) < 200:
-        raise SpeceeError(f"too few proposed tokens to fit a copy model ({len(X)}); "
-                          f"profile more or longer outputs")
-    net = train_mlp(X, y, hidden=hidden, epochs=epochs, seed=seed)
-    return CopyModel(net, dict(meta or {}, n_samples=int(len(X)),
-                               n_streams=len(streams), base_rate=float(y.mean()),
-                               hidden=hidden))
+        per_stream: int = PER_STREAM, members: int = MEMBERS, meta: dict | None = None
+        ) -> CopyModel:
+    """Fit on greedy output streams (``{"prompt": [...], "output": [...]}`` each):
+    ``members`` nets, seeds ``seed``, ``seed + 1``, ..., each on its own subsample."""
+    parts = [samples(s["prompt"], s["output"]) for s in streams]
+    nets = []
+    for k in range(members):
+        X, y = _pool(parts, per_stream, seed + k)
+        if len(X) < 200:
+            raise SpeceeError(f"too few proposed tokens to fit a copy model ({len(X)}); "
+                              f"profile more or longer outputs")
+        nets.append(train_mlp(X, y, hidden=hidden, epochs=epochs, seed=seed + k))
+    return CopyModel(tuple(nets), dict(meta or {}, n_samples=int(len(X)),
+                                       n_streams=len(streams), base_rate=float(y.mean()),
+                                       hidden=hidden))
 
 
 def _log_loss(p: np.ndarray, y: np.ndarray) -> float:

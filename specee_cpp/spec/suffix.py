@@ -112,15 +112,17 @@ class SuffixTrie:
         return Proposal(out, probs, first_match, matches, supports)
 
 
-def copy_features(prop: Proposal, recent: float, overall: float, run: int, guesses: int
-                  ) -> np.ndarray:
+def copy_features(prop: Proposal, recent: float, overall: float, run: int, guesses: int,
+                  source: float = 0.0, back: int = 0) -> np.ndarray:
     """The copy model's inputs, one row per proposed token (spec/copy_model.py): its share,
     log(1 + support), the length of the suffix it was matched on and its position in the
     draft; and, the same for every row, how often the trie's first guess was right over the
     recent output and over all of it, log(1 + its current run of right guesses) and
-    log(1 + the guesses it made so far) (how much the overall rate has seen)."""
+    log(1 + the guesses it made so far) (how much the overall rate has seen); where the copy
+    being followed comes from (``source``: -1 the prompt, 1 this output, 0 none) and
+    log(1 + how many tokens back it is)."""
     n = len(prop.tokens)
-    per_draft = [recent, overall, np.log1p(run), np.log1p(guesses)]
+    per_draft = [recent, overall, np.log1p(run), np.log1p(guesses), source, np.log1p(back)]
     return np.column_stack([prop.probs, np.log1p(prop.supports), prop.matches, np.arange(n),
                             np.tile(per_draft, (n, 1))]).astype(np.float64)
 
@@ -185,6 +187,8 @@ class ContextSource:
         self._last_at: dict[tuple, int] = {}
         self._ptr: int | None = None
         self.copy_len = 0
+        self.n_given = 0              # tokens given, not emitted (the prompt): copies from
+        # there and from the output so far fare differently (copy_features' source)
         # the longest follow draft: MAX_VERIFY - 1 where verification is sampled (each
         # drafted token costs a one-hot n_vocab row there)
         self.follow_max = follow_max
@@ -205,6 +209,7 @@ class ContextSource:
         keeps the recent hit rate and the current run of hits (a few dictionary lookups a
         token)."""
         if not emitted:
+            self.n_given += len(tokens)
             for t in tokens:
                 self._follow(t)
                 self.trie.extend([t])
@@ -267,7 +272,12 @@ class ContextSource:
         """The copy model's inputs for ``prop`` in this state (``copy_features``); the overall
         hit rate starts from one hit and one miss."""
         right, made = self.guessed
-        return copy_features(prop, self.hits, (right + 1) / (made + 2), self.run, made)
+        source, back = 0.0, 0
+        if self._ptr is not None:
+            source = 1.0 if self._ptr >= self.n_given else -1.0
+            back = len(self.trie.tokens) - self._ptr
+        return copy_features(prop, self.hits, (right + 1) / (made + 2), self.run, made,
+                             source, back)
 
     def accept_probs(self, prop: Proposal) -> np.ndarray:
         """Per proposed token: the probability that it is accepted if the ones before were."""
