@@ -4,7 +4,8 @@ Each proposed token of the context drafter (spec/suffix.py) is described by ten 
 (``suffix.copy_features``: the trie's share and its support, the length of the suffix it
 was matched on, its position in the draft; the hit rate of the trie's first guess over the
 recent output and over all of it, its current run of right guesses and how many it made;
-where the copy being followed comes from, the prompt or the output, and how far back);
+where the copy being followed comes from, the prompt or the output, and for the output how
+far back);
 the model, the mean of MEMBERS small MLPs of ``mlp.py``, says how likely the target accepts
 the token given that the tokens before it were accepted. It replaces the drafter's built-in guess
 (share x a per-run Beta posterior starting at 2/3), which is blind to what kind of output
@@ -36,7 +37,7 @@ from .suffix import ContextSource, best_prefix
 
 MODEL_VERSION = 2
 FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",
-            "log1p_run", "log1p_guesses", "copy_source", "log1p_copy_back")
+            "log1p_run", "log1p_guesses", "copy_source", "log1p_output_copy_back")
 _NAMES = [f"n{i}" for i in range(6)]
 PER_STREAM = 100   # samples kept per output stream when fitting (see ``dataset``)
 # ~8k samples in batches of 1k: at 30 epochs (~240 Adam steps) the net was still learning
