@@ -44,8 +44,9 @@ PER_STREAM = 100   # samples kept per output stream when fitting (see ``dataset`
 # (held-out log loss 0.325; 0.297 at 300, docs/bench/copy-model.json)
 EPOCHS = 300
 # Nets averaged, each fitted with its own seed and its own subsample of every stream: one
-# net's replayed speed-up moved by 1-2% with the seed alone (5-fold dev replay, all
-# streams 1.444-1.458x over seeds 0-2); three agree within 0.1% (docs/draft-length.md).
+# net's replayed speed-up moved by 1.5% with the seed alone (5-fold dev replay, all streams,
+# version 1's features: 1.424-1.439x over seeds 0-2), means of three by 0.1-0.8%
+# (1.430x and 1.431x; version 2: 1.433-1.444x over three triples; docs/draft-length.md).
 MEMBERS = 3
 
 
