@@ -230,3 +230,23 @@ def test_a_long_copy_is_drafted_whole_within_the_limit():
     follow, bound = simulate(text, out, FLAT), simulate(text, out, FLAT, oracle=True)
     assert follow.drafted > 100 and bound.drafted == bound.accepted
     assert bound.speedup >= follow.speedup
+
+
+def test_held_out_replay_streams_share_no_prompt_with_the_fitting_data():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        from fit_copy_model import prompts as fitting_prompts
+        from replay_held_out import held_out_prompts
+    finally:
+        sys.path.pop(0)
+    fitted = {p.id for p, _ in fitting_prompts(edit_step=1)}   # every dev task, the most
+    held = held_out_prompts(per_category=8, turn2=12)
+    ids = [p.id for p, _ in held]
+    assert len(ids) == len(set(ids)) == 82 + 6 * 8 + 12
+    assert not fitted & set(ids)
+    # the conversations of second turns are outside the pool too (their first turns)
+    assert not fitted & {p.id.rsplit(":t", 1)[0] for p, _ in held if p.earlier}
+    assert {n for p, n in held if p.category == "code_edit"} == {192}
