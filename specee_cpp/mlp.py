@@ -21,7 +21,9 @@ def forward(net: Net, X: np.ndarray) -> np.ndarray:
     """sigmoid(relu(((X - mu) / sigma) @ W1 + b1) @ W2 + b2), batched over X's rows."""
     mu, sigma, W1, b1, W2, b2 = net
     h = np.maximum(((X - mu) / sigma) @ W1 + b1, 0.0)
-    return 1.0 / (1.0 + np.exp(-(h @ W2 + b2)))
+    # the logistic function as tanh: no overflow for large negative logits (1 / (1 + exp(-z))
+    # overflows exp past z = -709, e.g. an input far outside the fitting data)
+    return 0.5 * (1.0 + np.tanh(0.5 * (h @ W2 + b2)))
 
 
 def train_mlp(X: np.ndarray, y: np.ndarray, hidden: int = 128, epochs: int = 100,

@@ -197,3 +197,19 @@ def test_repetition_guard_sees_loops_only():
     assert not looping([1, 2, 3, 1, 2, 4, 1, 2, 3])
     assert looping([9] + list(range(16)) * 3)       # the longest block it looks for
     assert not looping(list(range(17)) * 2)
+
+
+def test_mlp_forward_saturates_without_overflow():
+    import warnings
+
+    from specee_cpp.mlp import forward
+
+    # one hidden unit passing x through, output weight -1 / +1: logits of -x / x
+    net = (np.zeros(1), np.ones(1), np.ones((1, 1)), np.zeros(1), np.array([-1.0]), np.zeros(1))
+    X = np.array([[0.0], [2.0], [800.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = forward(net, X)
+    assert p == pytest.approx([0.5, 1 / (1 + np.exp(2.0)), 0.0])
+    net = net[:4] + (np.array([1.0]), np.zeros(1))
+    assert forward(net, X) == pytest.approx([0.5, 1 / (1 + np.exp(-2.0)), 1.0])
