@@ -230,6 +230,10 @@ def test_a_long_copy_is_drafted_whole_within_the_limit():
     follow, bound = simulate(text, out, FLAT), simulate(text, out, FLAT, oracle=True)
     assert follow.drafted > 100 and bound.drafted == bound.accepted
     assert bound.speedup >= follow.speedup
+    # within a run's limit it drafts no more per round than the drafter may (follow_max),
+    # or it would bound a drafter that cannot exist
+    capped = simulate(text, out, FLAT, oracle=True, limit=len(out))
+    assert capped.rounds >= -(-(len(out) - 1) // MAX_FREE_VERIFY)
 
 
 def test_held_out_replay_streams_share_no_prompt_with_the_fitting_data():

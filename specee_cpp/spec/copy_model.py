@@ -141,7 +141,7 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
         room = draft_room(limit, t)
         if oracle:
             d, best = [], 1.0 / c.plain
-            n = src.follow_max if room is None else room
+            n = src.follow_max if room is None else min(src.follow_max, room)
             for cand in (src.to_end(src.propose().tokens[:n]), src.copy_continuation(n)):
                 a = accept_greedy(cand, target_at)[0]
                 g, tps = best_prefix(1.0 + np.arange(1, a + 1), c)
