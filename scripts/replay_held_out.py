@@ -40,12 +40,10 @@ def held_out_prompts(per_category: int, turn2: int):
 
 
 def main() -> int:
-    from fit_copy_model import streams
+    from fit_copy_model import add_model_args, stream_cache, streams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b",
-                    help="only for this machine's cost table (measured once, cached)")
+    add_model_args(ap)
     ap.add_argument("--per-category", type=int, default=8,
                     help="Spec-Bench first turns per category")
     ap.add_argument("--turn2", type=int, default=12, help="MT-Bench second turns")
@@ -53,14 +51,13 @@ def main() -> int:
 
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.paths import home
     from specee_cpp.provenance import describe, machine
     from specee_cpp.spec import copy_model as cm
     from specee_cpp.spec.mode import cost_model
 
     with LLM(ns.target, draft=ns.draft, config=LoadConfig(n_ctx=4096)) as llm:
         sha = llm.model.sha256
-        cache = home() / "copy-profile" / f"heldout-{sha[:16]}.jsonl"
+        cache = stream_cache(llm, "heldout-")
         cache.parent.mkdir(parents=True, exist_ok=True)
         data = streams(llm, held_out_prompts(ns.per_category, ns.turn2), cache,
                        lambda msg: print(f"[held-out] {msg}", file=sys.stderr, flush=True))
@@ -70,24 +67,13 @@ def main() -> int:
     model = cm.CopyModel.load(cm.bundle_path(sha))
     print(f"{len(data)} held-out streams; {where}; cost table {table.key}; copy model "
           f"version {model.meta.get('version')} ({cm.bundle_path(sha).name})")
-    per: dict[str, list] = {}
-    for s in data:
-        row = per.setdefault(s["category"], [0, 0.0, 0.0, 0.0, 0.0, 0, 0])
-        runs = [cm.simulate(s["prompt"], s["output"], table, m, oracle=o,
-                            limit=s["max_tokens"], is_eog=eog.__contains__)
-                for m, o in ((model, False), (None, False), (None, True))]
-        row[0] += 1
-        row[1] += runs[0].plain_seconds
-        for k, r in enumerate(runs):
-            row[2 + k] += r.seconds
-        row[5] += runs[0].drafted
-        row[6] += runs[0].accepted
-    total = [sum(v[i] for v in per.values()) for i in range(7)]
+    rows = cm.replay(data, model, table, eog.__contains__, total="all")
     print(f"{'category':18} {'streams':>7} {'fitted':>7} {'guess':>7} {'oracle':>7} "
           f"{'drafted':>8} {'accepted':>8}")
-    for cat, v in sorted(per.items()) + [("all", total)]:
-        print(f"{cat:18} {v[0]:7d} {v[1] / v[2]:7.3f} {v[1] / v[3]:7.3f} {v[1] / v[4]:7.3f} "
-              f"{v[5]:8d} {v[6]:8d}")
+    for cat in sorted(rows, key=lambda c: (c == "all", c)):
+        r = rows[cat]
+        print(f"{cat:18} {r['streams']:7d} {r['speedup_fitted']:7.3f} {r['speedup_guess']:7.3f} "
+              f"{r['speedup_oracle']:7.3f} {r['drafted_fitted']:8d} {r['accepted_fitted']:8d}")
     return 0
 
 

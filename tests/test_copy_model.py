@@ -8,8 +8,8 @@ import pytest
 
 from specee_cpp.config import MAX_FREE_VERIFY, MAX_VERIFY
 from specee_cpp.errors import SpeceeError
-from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_report, samples,
-                                        simulate)
+from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_report, replay,
+                                        samples, simulate)
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.spec.suffix import ContextSource
 
@@ -166,6 +166,13 @@ def test_fitted_model_beats_the_built_in_guess_on_held_out_streams(tmp_path, mon
     X = np.array([[1.0, 2.0, 4, 0, 0.9, 0.8, 2.0, 3.0, -1.0, 4.0],
                   [0.4, 0.5, 2, 3, 0.1, 0.2, 0.0, 1.0, 0.0, 0.0]])
     assert np.allclose(back.predict(X), model.predict(X), atol=1e-5)
+    # a replay with an overall row: the categories' rows as without it, the row over both
+    rows = replay(data, model, STEEP, total="all")
+    assert {k: v for k, v in rows.items() if k != "all"} == replay(data, model, STEEP)
+    assert rows["all"]["streams"] == len(data)
+    assert rows["all"]["drafted_fitted"] == sum(rows[c]["drafted_fitted"] for c in sim)
+    assert (min(rows[c]["speedup_fitted"] for c in sim) <= rows["all"]["speedup_fitted"]
+            <= max(rows[c]["speedup_fitted"] for c in sim))
     with pytest.raises(SpeceeError, match="too few"):
         fit(data[:1])
 

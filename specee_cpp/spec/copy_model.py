@@ -231,33 +231,38 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None,
         rep["log_loss_guess"] = _log_loss(X[:, 0] * 2 / 3, y)
         rep["log_loss_base_rate"] = _log_loss(np.full(len(y), y.mean()), y)
         rep["held_out_base_rate"] = float(y.mean())
-    rep["simulated"] = _replay(test, model, costs, is_eog)
+    rep["simulated"] = replay(test, model, costs, is_eog)
     if more_costs:
-        rep["simulated_more"] = {name: _replay(test, model, c, is_eog)
+        rep["simulated_more"] = {name: replay(test, model, c, is_eog)
                                  for name, c in more_costs.items()}
     return rep
 
 
-def _replay(test: list[dict], model: CopyModel, costs, is_eog=None) -> dict:
+def replay(test: list[dict], model: CopyModel, costs, is_eog=None,
+           total: str | None = None) -> dict:
     """Per category: simulated speed-up over plain of the fitted model, the guess and the
-    oracle on the streams ``test``, with drafted/accepted counts."""
+    oracle on the streams ``test``, with drafted/accepted counts; ``total``, if given, names
+    one more row over every stream."""
     per: dict[str, dict] = {}
     for s in test:
-        row = per.setdefault(s.get("category", "?"), {"streams": 0, "fitted": [0.0, 0.0],
-                                                       "guess": [0.0, 0.0], "drafted": [0, 0],
-                                                       "accepted": [0, 0], "oracle": [0.0, 0.0]})
-        row["streams"] += 1
+        rows = [per.setdefault(cat, {"streams": 0, "fitted": [0.0, 0.0], "guess": [0.0, 0.0],
+                                     "drafted": [0, 0], "accepted": [0, 0],
+                                     "oracle": [0.0, 0.0]})
+                for cat in (s.get("category", "?"), total) if cat is not None]
         limit = s.get("max_tokens")
-        r = simulate(s["prompt"], s["output"], costs, oracle=True, limit=limit, is_eog=is_eog)
-        row["oracle"][0] += r.seconds
-        row["oracle"][1] += r.plain_seconds
-        for k, m in enumerate((model, None)):
-            r = simulate(s["prompt"], s["output"], costs, m, limit=limit, is_eog=is_eog)
-            name = "fitted" if m is not None else "guess"
-            row[name][0] += r.seconds
-            row[name][1] += r.plain_seconds
-            row["drafted"][k] += r.drafted
-            row["accepted"][k] += r.accepted
+        runs = {"oracle": simulate(s["prompt"], s["output"], costs, oracle=True, limit=limit,
+                                   is_eog=is_eog)}
+        for m in (model, None):
+            runs["fitted" if m is not None else "guess"] = simulate(
+                s["prompt"], s["output"], costs, m, limit=limit, is_eog=is_eog)
+        for row in rows:
+            row["streams"] += 1
+            for name, r in runs.items():
+                row[name][0] += r.seconds
+                row[name][1] += r.plain_seconds
+            for k, name in enumerate(("fitted", "guess")):
+                row["drafted"][k] += runs[name].drafted
+                row["accepted"][k] += runs[name].accepted
     return {cat: {"streams": r["streams"],
                   "speedup_fitted": r["fitted"][1] / r["fitted"][0],
                   "speedup_guess": r["guess"][1] / r["guess"][0],
