@@ -9,7 +9,9 @@ output rows cost (the LM head, ``output.weight``, plus the argmax read in C) fro
 in the same run). Beside them, the target's weights by quantization type: on x86 llama.cpp
 (this pinned version) repacks Q4_0, Q4_K, IQ4_NL and (with AVX-512) Q2_K for batched
 multiplication and its llamafile sgemm covers F16/BF16/Q8_0/Q4_0/Q5_0/IQ4_NL; Q6_K has
-neither, so a Q6_K matrix costs about n single-row products for an n-row batch.
+neither, so below 8 rows a Q6_K matrix costs about n single-row products for an n-row
+batch; from 8 rows it takes ggml-cpu's tiled K-quant path, which on the 2-core EPYC loses
+to the row products up to ~10 rows and wins from ~12 (docs/draft-length.md, cost model).
 
     python scripts/verify_cost_probe.py [--targets qwen2.5-coder-1.5b,qwen2.5-coder-1.5b:Q4_0]
                                         [--repeats 9] [--no-write]

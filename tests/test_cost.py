@@ -112,3 +112,55 @@ def test_cost_model_records_its_machine(tmp_path, monkeypatch):
     # another build on the same CPU is another machine for the cache
     other = dict(m.machine, build="other")
     assert provenance.machine_id(other) != provenance.machine_id(m.machine)
+
+
+class _Clocked:
+    """A sequence whose decodes advance a fake clock: a batch of n costs ``cost(n)`` plain
+    tokens, times the machine's current slowness (``drift``, by the clock)."""
+
+    def __init__(self, clock, cost, drift, n_ctx=2048, n_batch=512):
+        self.clock, self.cost, self.drift = clock, cost, drift
+        self.ctx = type("Ctx", (), {"n_ctx": n_ctx, "n_batch": n_batch})()
+        self.tokens: list[int] = []
+
+    def _run(self, n):
+        self.clock[0] += self.cost(n) * self.drift(self.clock[0])
+
+    def prefill(self, tokens, read=True):
+        self.tokens = list(tokens)
+
+    def decode(self, tokens, all_outputs=False):
+        self._run(len(tokens))
+        self.tokens += list(tokens)
+
+    def decode_greedy(self, tokens):
+        self.decode(tokens, all_outputs=True)
+        return [0] * len(tokens)
+
+    def feed(self, tokens, all_logits=False):
+        self.decode(tokens)
+
+    def argmax(self, i=-1):
+        return 0
+
+    def rewind(self, n):
+        del self.tokens[n:]
+
+
+def test_measure_pairs_each_sample_with_a_plain_reference():
+    """The machine slows down threefold half-way through the measurement (a shared machine
+    drifts): each batch's cost in plain tokens must still come out right, because it is
+    timed against a plain token timed just before it. Timing plain tokens first and batches
+    later (measurement version 7) read verify(16) here as ~3x too dear."""
+    now = [0.0]
+    t_plain = 0.035
+    drift = lambda t: 1.0 if t < 3.0 else 3.0  # noqa: E731
+    verify = lambda n: t_plain * (1.0 + 0.45 * (n - 1))  # noqa: E731
+    tgt = _Clocked(now, verify, drift)
+    dft = _Clocked(now, lambda n: 0.5 * t_plain * n, drift)
+    m = cost.measure(tgt, dft, list(range(10)), repeats=5, n_context=128,
+                     clock=lambda: now[0])
+    for n in (2, 4, 8, 16, 32, 64):
+        assert m.verify(n) / m.plain == pytest.approx(verify(n) / t_plain, rel=1e-6)
+    assert m.draft_token_s / m.plain == pytest.approx(0.5, rel=1e-6)
+    assert tgt.tokens == list(range(10)) and dft.tokens == list(range(10))

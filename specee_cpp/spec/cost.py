@@ -172,7 +172,8 @@ def load_or_measure(key: str, measure) -> CostTable:
     return table
 
 
-MEASURE_VERSION = 7   # part of the cache key: a changed method measures again (7: long batches)
+MEASURE_VERSION = 8   # part of the cache key: a changed method measures again (7: long
+# batches; 8: each sample against a plain token timed just before it)
 # contexts the costs are measured at: a short chat turn and a long one (a 1k-token cache
 # makes a token measurably dearer); past the last, its costs are used
 CONTEXTS = (128, 1024)
@@ -197,26 +198,47 @@ def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
 
 
 def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
-            n_context: int = CONTEXTS[0]) -> CostModel:
+            n_context: int = CONTEXTS[0], clock=time.perf_counter) -> CostModel:
     """Time what decoding does, after ``n_context`` cached tokens (``tokens`` repeated):
     plain steps (single target decodes in a row, before the draft has run at all), and
     speculative rounds: a 2-token draft catch-up decode, more single draft decodes, then a
     target batch of n, for n = 1..N_MAX. Timing them interleaved as rounds run them, not
     each model alone, matters on a small CPU: measured alone, the draft looked ~30% cheaper
     than in real rounds (not a thread-pool effect: under OpenMP both contexts share one
-    team, see scripts/threadpool_check.py). Medians
-    of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
+    team, see scripts/threadpool_check.py).
+
+    Every timed sample is paired with a plain target token timed just before it, and the
+    table keeps the median of each sample's ratio to its own reference, scaled by the median
+    plain token: the policies read costs as multiples of a plain token, and a machine that
+    slows down while it measures (a laptop warming up, a neighbour starting) slows both.
+    Before version 8 the plain tokens were timed first and the batches after, so such a
+    drift went into every ratio. What this does not remove: on a shared 2-core VM the
+    ratios themselves move 10-30% from one measurement to the next
+    (scripts/cost_spread.py), plain tokens (memory bound) and batches (compute bound)
+    being slowed by different neighbours.
+    Medians of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
     longs = long_sizes(tgt_seq)
     biggest = max(N_MAX, *longs)
     n = min(n_context, tgt_seq.ctx.n_ctx - biggest - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
     context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]
     filler = (tokens * (biggest // max(len(tokens), 1) + 1))[:biggest]
-    clock = time.perf_counter
     tgt_seq.prefill(context)
     base_t = len(tgt_seq.tokens)
     for k in (1, N_MAX):  # warm-up
         tgt_seq.decode_greedy(filler[:k])   # as greedy verification reads it
         tgt_seq.rewind(base_t)
+    refs: list[float] = []   # every plain reference token, for the scale
+
+    def reference() -> float:
+        """One plain step (decode, the argmax read in C) at the measured context."""
+        t0 = clock()
+        tgt_seq.decode([filler[0]])
+        tgt_seq.argmax()
+        dt = clock() - t0
+        tgt_seq.rewind(base_t)
+        refs.append(dt)
+        return dt
+
     plain = []
     for _ in range(repeats):
         t0 = clock()
@@ -229,10 +251,11 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     base_d = len(dft_seq.tokens)
     dft_seq.feed(filler[:2])
     dft_seq.rewind(base_d)
-    batch, first, single = [], [], []
+    batch, first, single = [], [], []   # ratios to each sample's own reference
     for k in range(1, N_MAX + 1):
         runs = []
         for _ in range(repeats):
+            ref = reference()
             t0 = clock()
             if k > 1:
                 dft_seq.feed(filler[:2])
@@ -241,31 +264,35 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
                 dft_seq.feed([t])
             t2 = clock()
             tgt_seq.decode_greedy(filler[:k])
-            runs.append(clock() - t2)
+            runs.append((clock() - t2) / ref)
             if k > 1:
-                first.append(t1 - t0)
+                first.append((t1 - t0) / ref)
             if k > 2:
-                single.append((t2 - t1) / (k - 2))
+                single.append((t2 - t1) / (k - 2) / ref)
             tgt_seq.rewind(base_t)
             dft_seq.rewind(base_d)
         batch.append(float(np.median(runs)))
     # longer batches (free drafts, no draft decodes before them), fewer repeats: they cost
     # up to ~25 plain tokens each
-    long_s = []
+    long_r = []
     for k in longs:
         tgt_seq.decode_greedy(filler[:k])   # warm-up: its graph shape
         tgt_seq.rewind(base_t)
         runs = []
         for _ in range(max(1, (repeats + 1) // 2)):
+            ref = reference()
             t0 = clock()
             tgt_seq.decode_greedy(filler[:k])
-            runs.append(clock() - t0)
+            runs.append((clock() - t0) / ref)
             tgt_seq.rewind(base_t)
-        long_s.append(float(np.median(runs)))
+        long_r.append(float(np.median(runs)))
     # the context starts with ``tokens``: leave both caches holding exactly them
     tgt_seq.rewind(len(tokens))
     dft_seq.rewind(len(tokens))
-    return CostModel(target_batch_s=batch, draft_token_s=float(np.median(single)),
-                     plain_token_s=float(np.median(plain)),
-                     draft_first_s=float(np.median(first)), context=len(context),
-                     long_sizes=longs, long_batch_s=long_s)
+    # the scale: every plain token timed (the references and the runs of four)
+    unit = float(np.median(refs + plain))
+    return CostModel(target_batch_s=[r * unit for r in batch],
+                     draft_token_s=float(np.median(single)) * unit,
+                     plain_token_s=unit,
+                     draft_first_s=float(np.median(first)) * unit, context=len(context),
+                     long_sizes=longs, long_batch_s=[r * unit for r in long_r])
