@@ -61,12 +61,12 @@ def test_measure_and_cache(tmp_path, monkeypatch):
     d = write_tiny_model(tmp_path / "d.gguf", seed=2)
     with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
         prompt = llm.model.tokenize("the cat sat")
-        calls = []
+        calls, said = [], []
 
         def run():
             calls.append(1)
             return cost.measure_table(llm.tgt.seq, llm.dft.seq, prompt, contexts=(64, 400),
-                                      repeats=1)
+                                      repeats=1, progress=said.append)
 
         table = cost.load_or_measure("pair", run)
         # longer batches for free drafts: those that fit n_batch 32 (24 and 32, not 48/64)
@@ -76,6 +76,10 @@ def test_measure_and_cache(tmp_path, monkeypatch):
         assert [p.context for p in table.points] == [64, 256 - 32 - 1]
         assert len(m.target_batch_s) == cost.N_MAX and m.draft_token_s > 0
         assert llm.tgt.seq.tokens == prompt and llm.dft.seq.tokens == prompt  # left as found
+        # a first chat turn waits for this: it says where it is, context by context
+        assert said[0] == "context 1/2 (64 tokens): rounds drafting 0 of 15"
+        assert said[-1] == "context 2/2 (223 tokens): a batch of 32 (longer free drafts)"
+        assert len(said) == 2 * (cost.N_MAX + 2)
         again = cost.load_or_measure("pair", run)
         assert calls == [1] and again == table and again.key == "pair"
 

@@ -16,6 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -187,18 +188,27 @@ def long_sizes(tgt_seq) -> list[int]:
 
 
 def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
-                  repeats: int = 5) -> CostTable:
-    """:func:`measure` at each context the caches can hold (fewer in a small context)."""
+                  repeats: int = 5, progress: Callable[[str], Any] | None = None
+                  ) -> CostTable:
+    """:func:`measure` at each context the caches can hold (fewer in a small context);
+    ``progress`` is told where it is (a first chat turn waits for all of it: 1.5-2 min with
+    the default pair on 2 cores, most of it the first context's 5 repeats)."""
     room = min(tgt_seq.ctx.n_ctx, dft_seq.ctx.n_ctx) - max(N_MAX, *long_sizes(tgt_seq)) - 1
     fits = sorted({min(c, room) for c in contexts})
-    # the longer contexts with fewer repeats: they refine the first, and a first chat turn
-    # waits for all of it (~25 s per context with the default pair on 2 cores)
+
+    def at(i: int, c: int):
+        if progress is None:
+            return None
+        return lambda what: progress(f"context {i + 1}/{len(fits)} ({c} tokens): {what}")
+
+    # the longer contexts with fewer repeats: they refine the first
     return CostTable([measure(tgt_seq, dft_seq, tokens, repeats if i == 0 else max(1, repeats - 2),
-                              n_context=c) for i, c in enumerate(fits)])
+                              n_context=c, progress=at(i, c)) for i, c in enumerate(fits)])
 
 
 def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
-            n_context: int = CONTEXTS[0], clock=time.perf_counter) -> CostModel:
+            n_context: int = CONTEXTS[0], clock=time.perf_counter,
+            progress: Callable[[str], Any] | None = None) -> CostModel:
     """Time what decoding does, after ``n_context`` cached tokens (``tokens`` repeated):
     plain steps (single target decodes in a row, before the draft has run at all), and
     speculative rounds: a 2-token draft catch-up decode, more single draft decodes, then a
@@ -252,7 +262,9 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     dft_seq.feed(filler[:2])
     dft_seq.rewind(base_d)
     batch, first, single = [], [], []   # ratios to each sample's own reference
+    say = progress or (lambda what: None)
     for k in range(1, N_MAX + 1):
+        say(f"rounds drafting {k - 1} of {N_MAX - 1}")
         runs = []
         for _ in range(repeats):
             ref = reference()
@@ -276,6 +288,7 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     # up to ~25 plain tokens each
     long_r = []
     for k in longs:
+        say(f"a batch of {k} (longer free drafts)")
         tgt_seq.decode_greedy(filler[:k])   # warm-up: its graph shape
         tgt_seq.rewind(base_t)
         runs = []

@@ -75,9 +75,10 @@ def base_sha256(llm) -> str:
     return llm.cached(("spec", "base_sha256", base), lambda: file_sha256(base))
 
 
-def cost_model(llm):
+def cost_model(llm, progress=None):
     """This machine's speculative cost table for the loaded pair, at a short and a long
-    context (measured on first use in ~20 s, then cached under ``$SPECEE_CPP_HOME/costs``)."""
+    context (measured on first use, 1.5-2 min with the default pair on 2 cores, telling
+    ``progress`` where it is; then cached under ``$SPECEE_CPP_HOME/costs``)."""
     if llm.draft_path is None:
         raise SpeceeError("a cost model needs a draft model (--draft)")
 
@@ -94,7 +95,8 @@ def cost_model(llm):
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
         prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
         return load_or_measure(
-            key, lambda: replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt), machine=where))
+            key, lambda: replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt,
+                                               progress=progress), machine=where))
 
     return llm.cached(("spec", "costs"), make)
 
@@ -132,9 +134,17 @@ def has_controller(llm, opts: SpecOptions) -> bool:
     return opts.controller is not None or controller_path(base_sha256(llm)).is_file()
 
 
+def tell(shown, text: str):
+    """A progress callback that appends to a shown status line (a rich Status), or None
+    where nothing is shown."""
+    if shown is None or not hasattr(shown, "update"):
+        return None
+    return lambda what: shown.update(f"{text}: {what}")
+
+
 def needs_costs(llm, opts: SpecOptions) -> bool:
     """Whether a run with these options reads this machine's cost table (the first one
-    measures it, about a minute with the default pair on 2 cores, then it is cached)."""
+    measures it, 1.5-2 min with the default pair on 2 cores, then it is cached)."""
     return opts.gamma in NEEDS_COSTS and (opts.context or has_controller(llm, opts))
 
 
@@ -271,9 +281,10 @@ class Spec(Mode):
         if llm.draft_auto and needs_costs(llm, opts):
             choose_variant(llm, status)
         if needs_costs(llm, opts):
-            with status("reading this machine's draft/verify costs (first time: about a "
-                        "minute, then cached)"):
-                cost_model(llm)
+            text = ("reading this machine's draft/verify costs (first time: 1.5-2 minutes, "
+                    "then cached)")
+            with status(text) as shown:
+                cost_model(llm, progress=tell(shown, text))
 
     def _plain(self, llm, sampling, note: str):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""
