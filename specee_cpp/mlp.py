@@ -77,16 +77,19 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
     tmp.replace(path)
 
 
-def load_npz(path: Path, names: list[str], what: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(meta, arrays as float64) of a file written by :func:`save_npz`; ``what`` names the
-    kind of file in the one-line error for a missing or foreign file."""
+def load_npz(path: Path, names: list[str] | None, what: str
+             ) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays as float64) of a file written by :func:`save_npz`: those in ``names``,
+    or with None every one (their names then come from the meta); ``what`` names the kind
+    of file in the one-line error for a missing or foreign file."""
     path = Path(path)
     if not path.is_file():
         raise SpeceeError(f"{what} not found: {path}")
     try:
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
-            arrays = {k: z[k].astype(np.float64) for k in names}
+            keys = [k for k in z.files if k != "meta"] if names is None else names
+            arrays = {k: z[k].astype(np.float64) for k in keys}
     except (OSError, ValueError, KeyError) as e:
         raise SpeceeError(f"not a {what} file: {path} ({e})") from None
     return meta, arrays

@@ -187,6 +187,12 @@ def test_a_foreign_or_old_copy_model_file_is_refused(tmp_path):
         CopyModel.load(path)
     with pytest.raises(SpeceeError, match="not found"):
         CopyModel.load(tmp_path / "missing.npz")
+    # this version's meta, a member's arrays missing (a torn or hand-made file)
+    from specee_cpp.spec.copy_model import _NAMES, FEATURES, MODEL_VERSION
+    save_npz(path, {f"m0{n}": a for n, a in zip(_NAMES, model.nets[0])},
+             {"version": MODEL_VERSION, "features": list(FEATURES), "members": 2})
+    with pytest.raises(SpeceeError, match="not a copy model file.*2 members"):
+        CopyModel.load(path)
 
 
 def test_drafter_uses_the_model_for_its_own_context_and_the_guess_for_the_history():

@@ -70,14 +70,16 @@ class CopyModel:
 
     @classmethod
     def load(cls, path: Path) -> CopyModel:
-        meta, _ = load_npz(path, [], "copy model")
+        meta, arrays = load_npz(path, None, "copy model")   # one read of the file
         if meta.get("version") != MODEL_VERSION or meta.get("features") != list(FEATURES):
             raise SpeceeError(f"copy model {path} has version {meta.get('version')} and "
                               f"features {meta.get('features')}; this build needs version "
                               f"{MODEL_VERSION}: refit with scripts/fit_copy_model.py")
         k = int(meta.get("members", 0))
-        _, arrays = load_npz(path, [f"m{m}{n}" for m in range(k) for n in _NAMES],
-                             "copy model")
+        missing = [f"m{m}{n}" for m in range(k) for n in _NAMES if f"m{m}{n}" not in arrays]
+        if not k or missing:
+            raise SpeceeError(f"not a copy model file: {path} ({k} members, missing "
+                              f"{missing[:3]})")
         return cls(tuple(tuple(arrays[f"m{m}{n}"] for n in _NAMES) for m in range(k)), meta)
 
 
