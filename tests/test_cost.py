@@ -168,3 +168,28 @@ def test_measure_pairs_each_sample_with_a_plain_reference():
         assert m.verify(n) / m.plain == pytest.approx(verify(n) / t_plain, rel=1e-6)
     assert m.draft_token_s / m.plain == pytest.approx(0.5, rel=1e-6)
     assert tgt.tokens == list(range(10)) and dft.tokens == list(range(10))
+
+
+def test_cost_spread_script_reports_each_measurement_and_the_spread(tmp_path, monkeypatch,
+                                                                    capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import cost_spread
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(sys, "argv", ["cost_spread.py", str(t), "--draft", str(d),
+                                      "--times", "2", "--repeats", "1", "--context", "32"])
+    assert cost_spread.main() == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert f"measurement version {cost.MEASURE_VERSION}; 2 measurements" in lines[0]
+    rows = [ln.split(" | ") for ln in lines[2:]]
+    assert len(rows) == 3 and rows[-1][0] == "spread"
+    assert all(len(r) == 2 + len(cost_spread.SIZES) for r in rows)
+    assert all(float(x) > 0 for r in rows[:2] for x in r)   # plain ms and ratios
+    assert all(x.endswith("%") for x in rows[-1][1:])
