@@ -191,8 +191,8 @@ def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
                   repeats: int = 5, progress: Callable[[str], Any] | None = None
                   ) -> CostTable:
     """:func:`measure` at each context the caches can hold (fewer in a small context);
-    ``progress`` is told where it is (a first chat turn waits for all of it: 1.5-2 min with
-    the default pair on 2 cores, most of it the first context's 5 repeats)."""
+    ``progress`` is told where it is (a first chat turn waits for all of it: 1 min 45 s
+    with the default pair on the 2-core EPYC)."""
     room = min(tgt_seq.ctx.n_ctx, dft_seq.ctx.n_ctx) - max(N_MAX, *long_sizes(tgt_seq)) - 1
     fits = sorted({min(c, room) for c in contexts})
 
