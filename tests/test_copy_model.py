@@ -79,7 +79,10 @@ def test_simulate_drafts_copies_where_verification_is_cheap_and_not_where_it_is_
 
 
 class Const:
-    """A copy model that predicts one acceptance probability for every token."""
+    """A copy model that predicts one acceptance probability for every token (and counts on
+    followed copies never breaking off)."""
+
+    copy_break = 0.0
 
     def __init__(self, p):
         self.p = p
@@ -267,3 +270,44 @@ def test_held_out_replay_streams_share_no_prompt_with_the_fitting_data():
     # the conversations of second turns are outside the pool too (their first turns)
     assert not fitted & {p.id.rsplit(":t", 1)[0] for p, _ in held if p.earlier}
     assert {n for p, n in held if p.category == "code_edit"} == {192}
+
+
+def test_a_long_copy_counts_on_the_fitted_break_rate():
+    """A copy model carries how often followed copies broke off in its fitting streams
+    (copy_break_rate); the long-copy rule expects each further token with 1 minus that, so
+    where a batch of 64 costs a little more a row than one of 48 it drafts the shorter copy (seen
+    failing when _long_copy assumed every token accepted: 63 tokens drafted)."""
+    from specee_cpp.spec.copy_model import copy_break_rate
+
+    rng = np.random.default_rng(3)
+    text = [int(t) for t in rng.integers(1000, 5000, 300)]
+    # batches up to 16 as the 2-core EPYC's, then 24/32/48/64 (plain tokens) with 64 a
+    # little dearer per token than 48: 1.30x the cost for 1.33x the rows
+    dear64 = CostModel([1.0, 1.6, 2.2, 2.7, 3.4, 4.0, 4.5, 5.3, 6.4, 7.0, 7.4, 7.5, 8.3,
+                        8.5, 8.9, 7.9], 0.6, long_sizes=[24, 32, 48, 64],
+                       long_batch_s=[10.4, 13.0, 18.0, 23.4])
+
+    class Breaks:   # any model: only its break rate matters to the long-copy rule
+        def __init__(self, rate):
+            self.copy_break = rate
+
+        def predict(self, X):
+            return np.zeros(len(X))
+
+    def drafted(model):
+        src = ContextSource(dear64, model=model)
+        src.extend(text)
+        src.extend(text[:40], emitted=True)
+        return src.plan(340)
+
+    assert drafted(None) == text[40:40 + MAX_FREE_VERIFY - 1]            # all accepted: 63
+    assert drafted(Breaks(0.0)) == text[40:40 + MAX_FREE_VERIFY - 1]
+    assert drafted(Breaks(0.0073)) == text[40:40 + 47]                   # a batch of 48
+    # the rate: breaks among the tokens met while the rule holds (+0.5 / +1)
+    prompt = text[:100]
+    whole = {"prompt": prompt, "output": text[:60]}                      # never breaks
+    broken = {"prompt": prompt, "output": text[:30] + [7] + text[31:60]}  # breaks once
+    assert copy_break_rate([whole]) == pytest.approx(0.5 / (60 - 16 - 1 + 1.0), rel=0.1)
+    assert copy_break_rate([broken]) > copy_break_rate([whole])
+    m = fit(_streams(4))
+    assert m.copy_break == pytest.approx(m.meta["copy_break"]) and 0 < m.copy_break < 1

@@ -62,6 +62,12 @@ class CopyModel:
     def predict(self, X: np.ndarray) -> np.ndarray:
         return np.mean([forward(net, X) for net in self.nets], axis=0)
 
+    @property
+    def copy_break(self) -> float:
+        """Per token, how often a followed long copy broke off in the fitting streams
+        (``copy_break_rate``; 0 for a bundle fitted before it was kept)."""
+        return float(self.meta.get("copy_break", 0.0))
+
     def save(self, path: Path) -> None:
         save_npz(path, {f"m{k}{n}": a for k, net in enumerate(self.nets)
                         for n, a in zip(_NAMES, net)},
@@ -167,6 +173,23 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
     return Simulated(len(output) - 1, seconds, plain, rounds, drafted, accepted)
 
 
+def copy_break_rate(streams: list[dict]) -> float:
+    """Of the output tokens met while the long-copy rule holds (``ContextSource._long_copy``:
+    a copy of FOLLOW_MIN+ tokens in progress, recent first guesses right >= FOLLOW_HITS),
+    the share at which the copy broke off; with half a break and one token added, so that
+    streams without such copies give a small rate, not zero."""
+    breaks = seen = 0
+    for s in streams:
+        src = _start(s["prompt"], s["output"])
+        for t in s["output"][1:]:
+            if (src.copy_len >= src.FOLLOW_MIN and src.hits >= src.FOLLOW_HITS
+                    and src.copy_continuation(1)):
+                seen += 1
+                breaks += src.copy_continuation(1)[0] != t
+            src.extend([t], emitted=True)
+    return (breaks + 0.5) / (seen + 1.0)
+
+
 def _pool(parts: list[tuple[np.ndarray, np.ndarray]], per_stream: int, seed: int
           ) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
@@ -204,7 +227,7 @@ def fit(streams: list[dict], hidden: int = 16, epochs: int = EPOCHS, seed: int =
         nets.append(train_mlp(X, y, hidden=hidden, epochs=epochs, seed=seed + k))
     return CopyModel(tuple(nets), dict(meta or {}, n_samples=int(len(X)),
                                        n_streams=len(streams), base_rate=float(y.mean()),
-                                       hidden=hidden))
+                                       hidden=hidden, copy_break=copy_break_rate(streams)))
 
 
 def _log_loss(p: np.ndarray, y: np.ndarray) -> float:
