@@ -137,6 +137,7 @@ def main() -> int:
     model.save(bundle_path(sha))
     report["bundle"] = bundle_path(sha).name
     report["n_samples"] = model.meta["n_samples"]
+    report["copy_break"] = model.copy_break   # what the long-copy rule expects a copy to do
     Path(ns.report).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
     return 0
