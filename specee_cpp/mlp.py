@@ -80,7 +80,7 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
 def load_npz(path: Path, names: list[str] | None, what: str
              ) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, arrays as float64) of a file written by :func:`save_npz`: those in ``names``,
-    or with None every one (their names then come from the meta); ``what`` names the kind
+    or with None every one the file holds besides the meta; ``what`` names the kind
     of file in the one-line error for a missing or foreign file."""
     path = Path(path)
     if not path.is_file():

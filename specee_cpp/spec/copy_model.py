@@ -174,18 +174,18 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
 
 
 def copy_break_rate(streams: list[dict]) -> float:
-    """Of the output tokens met while the long-copy rule holds (``ContextSource._long_copy``:
-    a copy of FOLLOW_MIN+ tokens in progress, recent first guesses right >= FOLLOW_HITS),
-    the share at which the copy broke off; with half a break and one token added, so that
-    streams without such copies give a small rate, not zero."""
+    """Of the output tokens met while the long-copy rule holds
+    (``ContextSource.in_long_copy``), the share at which the copy broke off; with half a
+    break and one token added, so that streams without such copies give a small rate, not
+    zero."""
     breaks = seen = 0
     for s in streams:
         src = _start(s["prompt"], s["output"])
         for t in s["output"][1:]:
-            if (src.copy_len >= src.FOLLOW_MIN and src.hits >= src.FOLLOW_HITS
-                    and src.copy_continuation(1)):
+            nxt = src.copy_continuation(1) if src.in_long_copy() else []
+            if nxt:
                 seen += 1
-                breaks += src.copy_continuation(1)[0] != t
+                breaks += nxt[0] != t
             src.extend([t], emitted=True)
     return (breaks + 0.5) / (seen + 1.0)
 

@@ -306,12 +306,17 @@ class ContextSource:
             return []
         return self.to_end(self.trie.tokens[self._ptr:self._ptr + n])
 
+    def in_long_copy(self) -> bool:
+        """Whether the long-copy rule holds: a copy of FOLLOW_MIN+ tokens in progress and the
+        trie's first guesses right >= FOLLOW_HITS of the recent time."""
+        return self.copy_len >= self.FOLLOW_MIN and self.hits >= self.FOLLOW_HITS
+
     def _long_copy(self, costs, room: int) -> list[int]:
         """The followed copy's continuation (at most ``room`` tokens), as long as the costs
         make it pay with each token kept with probability 1 - the copy model's break rate
         (every token without a model); empty unless a long copy is in progress
-        (FOLLOW_MIN, FOLLOW_HITS)."""
-        if self.copy_len < self.FOLLOW_MIN or self.hits < self.FOLLOW_HITS:
+        (``in_long_copy``)."""
+        if not self.in_long_copy():
             return []
         own = self.copy_continuation(min(self.follow_max, room))
         # A copy breaks off at 0.7% of its tokens (dev streams, copy_model.copy_break_rate):
