@@ -552,7 +552,7 @@ def costs(
     long context, and show which draft length it would choose at each acceptance rate
     (the policies read it at the current context length, interpolated)."""
     from .engine.llm import LLM
-    from .spec.mode import choose_variant, cost_model, tell
+    from .spec.mode import choose_variant, cost_model_shown
     from .spec.simulate import gpu_like as gpu_shape
 
     model, draft = _default_pair(model, draft)
@@ -561,9 +561,8 @@ def costs(
 
     with LLM(model, draft=draft, config=_load_config(N_CTX_COSTS, threads, 0)) as llm:
         chosen = choose_variant(llm, err.status) if llm.draft_auto else ""
-        text = "measuring target batches 1..16 and draft tokens (once, then cached)"
-        with err.status(text) as shown:
-            cm = cost_model(llm, progress=tell(shown, text))
+        cm = cost_model_shown(llm, err.status, "measuring target batches 1..16 and draft "
+                              "tokens (once, then cached)")
         bpw = llm.model.bits_per_weight
     if chosen:
         err.print(f"NAME:auto chose: {chosen}")

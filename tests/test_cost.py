@@ -193,3 +193,37 @@ def test_cost_spread_script_reports_each_measurement_and_the_spread(tmp_path, mo
     assert all(len(r) == 2 + len(cost_spread.SIZES) for r in rows)
     assert all(float(x) > 0 for r in rows[:2] for x in r)   # plain ms and ratios
     assert all(x.endswith("%") for x in rows[-1][1:])
+
+
+def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, monkeypatch):
+    from specee_cpp.spec.mode import cost_model_shown
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    shown = []
+
+    class Status:   # as rich's: a context manager whose text can be updated
+        def __init__(self, text):
+            shown.append(text)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, text):
+            shown.append(text)
+
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
+        table = cost_model_shown(llm, Status, "costs")
+        assert shown[0] == "costs" and len(shown) > 2
+        assert all(s.startswith("costs: context ") for s in shown[1:])
+        # cached: nothing measured, nothing said past the line itself
+        shown.clear()
+        assert cost_model_shown(llm, Status, "costs") is table and shown == ["costs"]
+    # a status that cannot be updated (the server's, no_status) still gets the table
+    from specee_cpp.engine.modes import no_status
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
+        assert cost_model_shown(llm, no_status, "costs") == table

@@ -134,12 +134,13 @@ def has_controller(llm, opts: SpecOptions) -> bool:
     return opts.controller is not None or controller_path(base_sha256(llm)).is_file()
 
 
-def tell(shown, text: str):
-    """A progress callback that appends to a shown status line (a rich Status), or None
-    where nothing is shown."""
-    if shown is None or not hasattr(shown, "update"):
-        return None
-    return lambda what: shown.update(f"{text}: {what}")
+def cost_model_shown(llm, status, text: str):
+    """:func:`cost_model` under the status line ``status(text)``, whose text follows the
+    first measurement's progress where it can be updated (a rich Status)."""
+    with status(text) as shown:
+        progress = ((lambda what: shown.update(f"{text}: {what}"))
+                    if hasattr(shown, "update") else None)
+        return cost_model(llm, progress=progress)
 
 
 def needs_costs(llm, opts: SpecOptions) -> bool:
@@ -281,10 +282,8 @@ class Spec(Mode):
         if llm.draft_auto and needs_costs(llm, opts):
             choose_variant(llm, status)
         if needs_costs(llm, opts):
-            text = ("reading this machine's draft/verify costs (first time: 1.5-2 minutes, "
-                    "then cached)")
-            with status(text) as shown:
-                cost_model(llm, progress=tell(shown, text))
+            cost_model_shown(llm, status, "reading this machine's draft/verify costs (first "
+                             "time: 1.5-2 minutes, then cached)")
 
     def _plain(self, llm, sampling, note: str):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""
