@@ -11,7 +11,7 @@ in the same run). Beside them, the target's weights by quantization type: on x86
 multiplication and its llamafile sgemm covers F16/BF16/Q8_0/Q4_0/Q5_0/IQ4_NL; Q6_K has
 neither, so below 8 rows a Q6_K matrix costs about n single-row products for an n-row
 batch; from 8 rows it takes ggml-cpu's tiled K-quant path, which on the 2-core EPYC loses
-to the row products up to ~10 rows and wins from ~12 (docs/draft-length.md, cost model).
+to the row products up to 12 rows and wins from 13 (scripts/verify_curve.py).
 
     python scripts/verify_cost_probe.py [--targets qwen2.5-coder-1.5b,qwen2.5-coder-1.5b:Q4_0]
                                         [--repeats 9] [--no-write]

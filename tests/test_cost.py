@@ -227,3 +227,25 @@ def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, mon
     from specee_cpp.engine.modes import no_status
     with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
         assert cost_model_shown(llm, no_status, "costs") == table
+
+
+def test_verify_curve_script_prints_a_ratio_per_size(tmp_path, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import verify_curve
+    finally:
+        sys.path.pop(0)
+    assert verify_curve.sizes("3-5") == [3, 4, 5] and verify_curve.sizes("7") == [7]
+    monkeypatch.setattr(sys, "argv", ["verify_curve.py", str(t), "--sizes", "1-6",
+                                      "--repeats", "2", "--context", "16"])
+    assert verify_curve.main() == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "16-token context" in lines[0] and lines[1].startswith("n |")
+    rows = [ln.split(" | ") for ln in lines[2:]]
+    assert [int(r[0]) for r in rows] == list(range(1, 7))
+    assert all(float(r[1]) > 0 for r in rows)
