@@ -38,6 +38,9 @@ class LoadConfig:
     n_batch: int = N_BATCH
     n_threads: int = 0            # 0: default_threads()
     n_gpu_layers: int = 0         # -1: offload every layer (CUDA/Metal builds)
+    # map the GGUF file (True) or read the weights into private memory on huge pages
+    # (False); None: memory.private_weights decides per model
+    mmap: bool | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx < 16:

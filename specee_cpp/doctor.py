@@ -7,6 +7,7 @@ from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
+from . import memory
 from .provenance import NO_AMX_ENV, amx_switched_off
 
 
@@ -44,6 +45,7 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
              "not in this build (rebuild with CMAKE_ARGS=-DGGML_CUDA=on, or Metal on macOS)"),
             ("CPU features", info["system_info"]),
             ("AMX", amx_state(info["system_info"])),
+            ("huge pages", memory.describe()),
         ]
         from .probe import run_probe
 

@@ -51,10 +51,15 @@ def _library() -> tuple[str, str]:
 
 def machine(n_threads: int) -> dict:
     """The facts that decide a measurement's speed, as one small JSON-able dict."""
+    from .memory import huge_pages_wanted, thp_mode
+
     feats, build = _library()
+    # pages: the huge-page policy the weights met (memory.py), worth ~10% of a token
+    thp = thp_mode() or "none"
     return {"cpu": _cpu_name(), "features": feats, "threads": int(n_threads), "build": build,
             "amx": "absent" if "AMX_INT8" not in feats else
-            ("off" if amx_switched_off() else "on")}
+            ("off" if amx_switched_off() else "on"),
+            "pages": thp if huge_pages_wanted() else f"{thp}, off"}
 
 
 def machine_id(m: dict) -> str:
@@ -66,4 +71,5 @@ def describe(m: dict | None) -> str:
     if not m:
         return "machine not recorded"
     return (f"{m.get('cpu', '?')} ({m.get('features', '?')}), {m.get('threads', '?')} threads, "
-            f"build {m.get('build', '?')}, AMX {m.get('amx', '?')}")
+            f"build {m.get('build', '?')}, AMX {m.get('amx', '?')}"
+            + (f", huge pages {m['pages']}" if "pages" in m else ""))

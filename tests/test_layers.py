@@ -11,7 +11,7 @@ import specee_cpp
 PKG = Path(specee_cpp.__file__).parent
 # lowest first; an import may only point to a strictly lower rank (spec and ee share one,
 # so neither may import the other; hyper, their combination, sits above both)
-RANK = {"errors": 0, "config": 1, "paths": 1, "records": 1, "mlp": 1, "models": 2,
+RANK = {"errors": 0, "config": 1, "paths": 1, "records": 1, "mlp": 1, "memory": 1, "models": 2,
         "bindings": 3, "provenance": 4, "engine": 5, "probe": 5, "spec": 6, "ee": 6,
         "hyper": 7, "bench": 8, "server": 8, "doctor": 8, "cli": 9, "__init__": 10}
 

@@ -11,7 +11,7 @@ import functools
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 6
+REQUIRED_PATCH_VERSION = 7
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:

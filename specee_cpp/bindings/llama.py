@@ -24,6 +24,7 @@ from ._ffi import ll
 _LOG: collections.deque[str] = collections.deque(maxlen=64)
 _VERBOSE = os.environ.get("SPECEE_CPP_VERBOSE", "") not in ("", "0")
 _GGML_LOG_LEVEL_ERROR = 4
+_LOAD_MODE_NONE = 0  # enum llama_load_mode: read the file into buffers, no mapping
 
 
 @ll.llama_log_callback
@@ -63,7 +64,8 @@ def library_info() -> dict:
 class Model:
     """A loaded GGUF model (weights + vocabulary)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True,
+                 use_mmap: bool = True):
         self.path = Path(path)
         self.info: GGUFInfo = read_gguf_info(self.path)  # clear error before llama.cpp sees it
         if not _ffi.llama_specee_arch_supported(self.info.arch.encode()):
@@ -75,6 +77,11 @@ class Model:
         # extra CPU buffer types (AMX, CPU_REPACK) hold weights in layouts for the fast
         # kernels; off, every weight stays in a plain buffer (the reference for tests)
         params.use_extra_bufts = use_extra_bufts
+        # mapped: llama.cpp's choice (it falls back to reading where a device cannot map);
+        # not mapped: the weights are read into buffers the patched ggml puts on huge pages
+        # (memory.py says when that is chosen)
+        if not use_mmap:
+            params.load_mode = _LOAD_MODE_NONE
         _LOG.clear()
         ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:

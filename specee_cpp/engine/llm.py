@@ -12,6 +12,7 @@ from ..models.registry import looks_like_path, resolve_model
 from . import modes
 from . import plain as _plain  # noqa: F401  (registers the plain mode)
 from .chat_template import ChatTemplate
+from ..memory import private_weights
 from .modes import Mode
 from .sequence import Sequence
 from .steps import Result, Step, Transcript, stream
@@ -88,7 +89,8 @@ class _Loaded:
     """A model with its context and cached sequence."""
 
     def __init__(self, path: Path, cfg: LoadConfig):
-        self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers)
+        mmap = cfg.mmap if cfg.mmap is not None else not private_weights(path, cfg.n_gpu_layers)
+        self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers, use_mmap=mmap)
         self.ctx = Context(self.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
                            n_threads=cfg.threads)
         self.seq = Sequence(self.ctx)

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""What huge pages are worth to plain decoding on this machine, against llama.cpp's own loop.
+
+Page settings are per process (the patched ggml reads SPECEE_CPP_HUGEPAGES when it
+allocates, llama.cpp maps or reads the weights at load), so every measurement is a fresh
+process: our plain greedy loop on one prompt under each setting, and `llama-lookup` drafting
+nothing (the bench's `lcpp-plain`, stock llama.cpp without our patches), in an order that
+rotates from prompt to prompt. Prints per-token decode times and, per prompt, each setting's
+speed relative to the first; the summary is the median of those per-prompt ratios (the
+machine drifts by more than the effect between minutes, not between neighbouring runs).
+
+    python scripts/pages_check.py [model] [--per-category 1] [--rounds 2] [--max-tokens 64]
+                                  [--write]   # the table into docs/BENCHMARKS.md
+
+Settings:
+    4k-mapped      SPECEE_CPP_HUGEPAGES=0, the GGUF mapped (llama.cpp's default memory)
+    huge-mapped    buffers advised onto huge pages, the GGUF mapped
+    huge-private   buffers advised, the weights read into them (specee-cpp's default here)
+    lcpp-plain     llama-lookup --spec-draft-n-max 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SETTINGS = ("4k-mapped", "huge-mapped", "huge-private", "lcpp-plain")
+
+CHILD = r"""
+import json, sys
+from specee_cpp.config import LoadConfig
+from specee_cpp.engine.llm import LLM
+from specee_cpp.memory import anon_huge_bytes
+model, mmap, max_tokens = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+with LLM(model, config=LoadConfig(mmap=mmap)) as llm:
+    r = llm.generate(sys.stdin.read(), chat=False, max_tokens=max_tokens, mode="plain")
+    print(json.dumps({"decode_s": r.stats.decode_s, "n_decode": r.stats.n_decode,
+                      "huge": anon_huge_bytes()}))
+"""
+
+
+def ours(model: str, setting: str, text: str, max_tokens: int) -> tuple[float, int]:
+    env = dict(os.environ, SPECEE_CPP_HUGEPAGES="0" if setting == "4k-mapped" else "1")
+    mmap = "0" if setting == "huge-private" else "1"
+    r = subprocess.run([sys.executable, "-c", CHILD, model, mmap, str(max_tokens)],
+                       input=text, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{setting} failed:\n{r.stderr[-2000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return out["decode_s"] / out["n_decode"], out["huge"] or 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    ns = ap.parse_args()
+
+    from specee_cpp.bench import prompts
+    from specee_cpp.bench.configs import CONFIGS
+    from specee_cpp.bench.peers import LlamaCppPeers, tools_dir
+    from specee_cpp.bench.suite import shorten
+    from specee_cpp.config import LoadConfig
+    from specee_cpp.engine.llm import LLM, resolve
+    from specee_cpp.memory import describe as pages
+    from specee_cpp.provenance import describe, machine
+
+    path = resolve(ns.model)
+    peers = LlamaCppPeers(path, None, LoadConfig(), tools=tools_dir())
+    with LLM(path, config=LoadConfig(mmap=True)) as llm:
+        chosen = prompts.per_category(prompts.load(str(prompts.DEV_PROMPTS)), ns.per_category)
+        work = []
+        for p in chosen:
+            text = llm.prompt_text(shorten(p, llm.model, ns.max_prompt_tokens).text)
+            work.append((p.id, text, len(llm.prompt_tokens(text, chat=False))))
+        where = describe(machine(llm.config.threads))
+    print(f"{where}; huge pages: {pages()}", flush=True)
+    ms: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    huge: dict[str, int] = {}
+    for rnd in range(ns.rounds):
+        for i, (pid, text, n_prompt) in enumerate(work):
+            k = (i + rnd) % len(SETTINGS)
+            row = {}
+            for s in SETTINGS[k:] + SETTINGS[:k]:
+                if s == "lcpp-plain":
+                    run = peers.run(CONFIGS["lcpp-plain"], text, n_prompt, ns.max_tokens)
+                    row[s] = run.decode_s / run.n_decode
+                else:
+                    row[s], huge[s] = ours(ns.model, s, text, ns.max_tokens)
+            for s in SETTINGS:
+                ms[s].append(row[s])
+            print(f"{rnd} {pid}: " + ", ".join(f"{s} {row[s] * 1000:.1f} ms"
+                                               for s in SETTINGS), flush=True)
+    base = SETTINGS[0]
+    lines = [f"Machine: {where}.", f"Huge pages: {pages()}.", "",
+             f"{len(work)} prompts x {ns.rounds} rounds, {ns.max_tokens} tokens, one fresh "
+             "process a measurement; speed relative to 4k-mapped = median over prompts of "
+             "its time / the setting's time.", "",
+             "| setting | ms a token (mean) | speed vs 4k-mapped (median) | on huge pages |",
+             "|---|---:|---:|---:|"]
+    for s in SETTINGS:
+        rel = statistics.median(a / b for a, b in zip(ms[base], ms[s]))
+        hp = f"{huge[s] >> 20} MiB" if s in huge else "(stock llama.cpp)"
+        lines.append(f"| {s} | {statistics.mean(ms[s]) * 1000:.1f} | {rel:.3f}x | {hp} |")
+    vs = statistics.median(a / b for a, b in zip(ms["lcpp-plain"], ms["huge-private"]))
+    lines += ["", f"specee-cpp's default (huge-private) against `lcpp-plain`: **{vs:.3f}x** "
+              "(median of per-prompt ratios)."]
+    table = "\n".join(lines)
+    print(table)
+    if ns.write:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _report import write_section
+
+        cmd = " ".join(["python scripts/pages_check.py", *sys.argv[1:]])
+        write_section("Weights on huge pages: plain decoding against llama.cpp's loop",
+                      f"`{cmd}`\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
