@@ -10,7 +10,7 @@ speed relative to the first; the summary is the median of those per-prompt ratio
 machine drifts by more than the effect between minutes, not between neighbouring runs).
 
     python scripts/pages_check.py [model] [--per-category 1] [--rounds 2] [--max-tokens 64]
-                                  [--write]   # the table into docs/BENCHMARKS.md
+                                  [--limit N] [--write]   # the table into docs/BENCHMARKS.md
 
 Settings:
     4k-mapped      SPECEE_CPP_HUGEPAGES=0, the GGUF mapped (llama.cpp's default memory)
@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ns = ap.parse_args()
 
@@ -77,6 +78,7 @@ def main() -> int:
     peers = LlamaCppPeers(path, None, LoadConfig(), tools=tools_dir())
     with LLM(path, config=LoadConfig(mmap=True)) as llm:
         chosen = prompts.per_category(prompts.load(str(prompts.DEV_PROMPTS)), ns.per_category)
+        chosen = chosen[:ns.limit] if ns.limit > 0 else chosen
         work = []
         for p in chosen:
             text = llm.prompt_text(shorten(p, llm.model, ns.max_prompt_tokens).text)
