@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import shutil
 
+from . import memory
 from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
-from . import memory
 from .provenance import NO_AMX_ENV, amx_switched_off
 
 

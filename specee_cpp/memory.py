@@ -45,15 +45,20 @@ def huge_pages_wanted() -> bool:
     return os.environ.get("SPECEE_CPP_HUGEPAGES", "").strip() != "0"
 
 
-def mem_available(meminfo: Path = MEMINFO) -> int | None:
-    """Bytes of memory the kernel reports available for a new allocation (None if unknown)."""
+def _kib_field(path: Path, key: str) -> int | None:
+    """The value of a ``key: N kB`` line of a /proc file, in bytes (None if absent)."""
     try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in path.read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def mem_available(meminfo: Path = MEMINFO) -> int | None:
+    """Bytes of memory the kernel reports available for a new allocation (None if unknown)."""
+    return _kib_field(meminfo, "MemAvailable")
 
 
 def private_weights(model_path: Path, n_gpu_layers: int, thp: str | None = None,
@@ -90,10 +95,4 @@ def describe() -> str:
 def anon_huge_bytes(smaps: Path = Path("/proc/self/smaps_rollup")) -> int | None:
     """Bytes of this process's anonymous memory on transparent huge pages (None where the
     kernel does not say)."""
-    try:
-        for line in smaps.read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return _kib_field(smaps, "AnonHugePages")

@@ -1,4 +1,4 @@
-"""Where a measurement was taken: CPU, its features as llama.cpp sees them, threads, build.
+"""Where a measurement was taken: CPU, its features as llama.cpp sees them, threads, build, pages.
 
 Costs differ between machines, even between two of one kind (AVX-512, AMX, repacked
 kernels), so every benchmark, profile, cost and calibration record carries this and every
@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import platform
+
+from .memory import huge_pages_wanted, thp_mode
 
 # patch 0003: ggml-cpu leaves weights out of the AMX buffer when this is set to anything but
 # "" or "0" (read once, when the CPU backend first lists its buffer types)
@@ -51,10 +53,9 @@ def _library() -> tuple[str, str]:
 
 def machine(n_threads: int) -> dict:
     """The facts that decide a measurement's speed, as one small JSON-able dict."""
-    from .memory import huge_pages_wanted, thp_mode
-
     feats, build = _library()
-    # pages: the huge-page policy the weights met (memory.py), worth ~10% of a token
+    # pages: the huge-page policy the weights met (memory.py); it moves a plain token by
+    # more than the cost tables' margins (docs/BENCHMARKS.md, "Weights on huge pages")
     thp = thp_mode() or "none"
     return {"cpu": _cpu_name(), "features": feats, "threads": int(n_threads), "build": build,
             "amx": "absent" if "AMX_INT8" not in feats else

@@ -7,12 +7,12 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 from ..bindings import Context, Model
 from ..config import LoadConfig, SamplingConfig
 from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
+from ..memory import private_weights
 from ..models.gguf_info import read_gguf_info
 from ..models.registry import looks_like_path, resolve_model
 from . import modes
 from . import plain as _plain  # noqa: F401  (registers the plain mode)
 from .chat_template import ChatTemplate
-from ..memory import private_weights
 from .modes import Mode
 from .sequence import Sequence
 from .steps import Result, Step, Transcript, stream
