@@ -67,7 +67,7 @@ def main() -> int:
 
     from specee_cpp.bench import prompts
     from specee_cpp.bench.configs import CONFIGS
-    from specee_cpp.bench.peers import LlamaCppPeers, tools_dir
+    from specee_cpp.bench.peers import LlamaCppPeers
     from specee_cpp.bench.suite import shorten
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM, resolve
@@ -75,7 +75,7 @@ def main() -> int:
     from specee_cpp.provenance import describe, machine
 
     path = resolve(ns.model)
-    peers = LlamaCppPeers(path, None, LoadConfig(), tools=tools_dir())
+    peers = LlamaCppPeers(path, None, LoadConfig())   # the newest built tools
     with LLM(path, config=LoadConfig(mmap=True)) as llm:
         chosen = prompts.per_category(prompts.load(str(prompts.DEV_PROMPTS)), ns.per_category)
         chosen = chosen[:ns.limit] if ns.limit > 0 else chosen

@@ -12,8 +12,9 @@ The private copy costs what mapping saves: the weights are no longer shared with
 cache or another process, and memory the kernel could have reclaimed by dropping file pages
 it now cannot (the default pair, loaded and run: 1837 MiB private and 24 MiB of file pages,
 against 934 MiB private and 1547 MiB of file pages mapped; a mapped file keeps the
-originals of the repacked weights resident too). So it is chosen only where huge pages are on offer and the file fits well
-inside the memory available; ``SPECEE_CPP_HUGEPAGES=0`` turns both steps off.
+originals of the repacked weights resident too). So it is chosen only where huge pages are
+on offer and the file fits well inside the memory available; ``SPECEE_CPP_HUGEPAGES=0``
+turns both steps off.
 """
 from __future__ import annotations
 
