@@ -10,13 +10,17 @@ speed relative to the first; the summary is the median of those per-prompt ratio
 machine drifts by more than the effect between minutes, not between neighbouring runs).
 
     python scripts/pages_check.py [model] [--per-category 1] [--rounds 2] [--max-tokens 64]
-                                  [--limit N] [--write]   # the table into docs/BENCHMARKS.md
+                                  [--limit N] [--long-lived]
+                                  [--write]   # the table into docs/BENCHMARKS.md
 
 Settings:
     4k-mapped      SPECEE_CPP_HUGEPAGES=0, the GGUF mapped (llama.cpp's default memory)
     huge-mapped    buffers advised onto huge pages, the GGUF mapped
     huge-private   buffers advised, the weights read into them (specee-cpp's default here)
     lcpp-plain     llama-lookup --spec-draft-n-max 0
+    long-lived     (with --long-lived) our loop in this script's own process, the model
+                   loaded once as the environment says (SPECEE_CPP_HUGEPAGES=0 before the
+                   command: 4 KiB pages), as `bench` runs it: how a process's age weighs
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0: all)")
+    ap.add_argument("--long-lived", action="store_true",
+                    help="also our loop in this process, the model loaded once")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ns = ap.parse_args()
 
@@ -71,44 +77,54 @@ def main() -> int:
     from specee_cpp.bench.suite import shorten
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM, resolve
-    from specee_cpp.memory import describe as pages
+    from specee_cpp.memory import anon_huge_bytes, describe as pages
     from specee_cpp.provenance import describe, machine
 
+    settings = SETTINGS + (("long-lived",) if ns.long_lived else ())
     path = resolve(ns.model)
     peers = LlamaCppPeers(path, None, LoadConfig())   # the newest built tools
-    with LLM(path, config=LoadConfig(mmap=True)) as llm:
-        chosen = prompts.per_category(prompts.load(str(prompts.DEV_PROMPTS)), ns.per_category)
-        chosen = chosen[:ns.limit] if ns.limit > 0 else chosen
-        work = []
-        for p in chosen:
-            text = llm.prompt_text(shorten(p, llm.model, ns.max_prompt_tokens).text)
-            work.append((p.id, text, len(llm.prompt_tokens(text, chat=False))))
-        where = describe(machine(llm.config.threads))
+    # this process's model: the prompts' tokens, and the long-lived setting's loop
+    llm = LLM(path, config=LoadConfig(mmap=None if ns.long_lived else True))
+    chosen = prompts.per_category(prompts.load(str(prompts.DEV_PROMPTS)), ns.per_category)
+    chosen = chosen[:ns.limit] if ns.limit > 0 else chosen
+    work = []
+    for p in chosen:
+        text = llm.prompt_text(shorten(p, llm.model, ns.max_prompt_tokens).text)
+        work.append((p.id, text, len(llm.prompt_tokens(text, chat=False))))
+    where = describe(machine(llm.config.threads))
+    if not ns.long_lived:
+        llm.close()
     print(f"{where}; huge pages: {pages()}", flush=True)
-    ms: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    ms: dict[str, list[float]] = {s: [] for s in settings}
     huge: dict[str, int] = {}
     for rnd in range(ns.rounds):
         for i, (pid, text, n_prompt) in enumerate(work):
-            k = (i + rnd) % len(SETTINGS)
+            k = (i + rnd) % len(settings)
             row = {}
-            for s in SETTINGS[k:] + SETTINGS[:k]:
+            for s in settings[k:] + settings[:k]:
                 if s == "lcpp-plain":
                     run = peers.run(CONFIGS["lcpp-plain"], text, n_prompt, ns.max_tokens)
                     row[s] = run.decode_s / run.n_decode
+                elif s == "long-lived":
+                    llm.reset()
+                    st = llm.generate(text, chat=False, max_tokens=ns.max_tokens,
+                                      mode="plain").stats
+                    row[s], huge[s] = st.decode_s / st.n_decode, anon_huge_bytes() or 0
                 else:
                     row[s], huge[s] = ours(ns.model, s, text, ns.max_tokens)
-            for s in SETTINGS:
+            for s in settings:
                 ms[s].append(row[s])
             print(f"{rnd} {pid}: " + ", ".join(f"{s} {row[s] * 1000:.1f} ms"
-                                               for s in SETTINGS), flush=True)
+                                               for s in settings), flush=True)
+    llm.close()
     base = SETTINGS[0]
     lines = [f"Machine: {where}.", f"Huge pages: {pages()}.", "",
              f"{len(work)} prompts x {ns.rounds} rounds, {ns.max_tokens} tokens, one fresh "
-             "process a measurement; speed relative to 4k-mapped = median over prompts of "
+             "process a measurement (long-lived: this one); speed relative to 4k-mapped = median over prompts of "
              "its time / the setting's time.", "",
              "| setting | ms a token (mean) | speed vs 4k-mapped (median) | on huge pages |",
              "|---|---:|---:|---:|"]
-    for s in SETTINGS:
+    for s in settings:
         rel = statistics.median(a / b for a, b in zip(ms[base], ms[s]))
         hp = f"{huge[s] >> 20} MiB" if s in huge else "(stock llama.cpp)"
         lines.append(f"| {s} | {statistics.mean(ms[s]) * 1000:.1f} | {rel:.3f}x | {hp} |")

@@ -69,7 +69,8 @@ def test_buffers_on_huge_pages_and_output_unchanged(small_model, monkeypatch):
 
 def test_pages_check_script_measures_every_setting(small_model, monkeypatch, capsys):
     """scripts/pages_check.py on the small model: one prompt, each setting in its own
-    process, llama.cpp's loop beside them; the table has every setting with a speed."""
+    process, llama.cpp's loop and the script's own process beside them; the table has every
+    setting with a speed."""
     import sys
     from pathlib import Path
 
@@ -79,12 +80,12 @@ def test_pages_check_script_measures_every_setting(small_model, monkeypatch, cap
     finally:
         sys.path.pop(0)
     monkeypatch.setattr(sys, "argv", ["pages_check.py", str(small_model), "--limit", "1",
-                                      "--rounds", "1", "--max-tokens", "4"])
+                                      "--rounds", "1", "--max-tokens", "4", "--long-lived"])
     assert pages_check.main() == 0
     out = capsys.readouterr().out
     rows = {ln.split(" | ")[0].strip("| "): ln.split(" | ") for ln in out.splitlines()
             if ln.startswith("| ") and not ln.startswith("| setting")}
-    assert set(rows) == set(pages_check.SETTINGS)
+    assert set(rows) == set(pages_check.SETTINGS) | {"long-lived"}
     assert all(float(r[1]) > 0 and r[2].endswith("x") for r in rows.values())
     if memory.thp_mode() == "madvise":   # under "always" the kernel gives huge pages anyway
         assert rows["4k-mapped"][3].startswith("0 MiB")
