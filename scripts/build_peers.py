@@ -4,10 +4,16 @@ against: llama-speculative-simple (draft model and n-gram speculation), llama-lo
 llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache).
 
 They are built from the llama.cpp sources vendored in the same pinned llama-cpp-python
-sdist as our wheel, without our patches (the peers are what a user would get), statically
-linked, with ``CMAKE_ARGS`` passed through (e.g. ``-DGGML_CUDA=ON``). Cached under
-``<home>/tools/<key>/``; the key hashes the version, this script, the CMake options and the
-platform. Prints the directory holding the binaries on its last line of stdout.
+sdist as our wheel, without our patches (the peers are what a user would get) but one:
+patch 0003, the compiler barrier without which GCC 12 drops the stores of ggml's AMX tile
+configuration (docs/AMX.md). A stock build dies with SIGILL in its first AMX matrix
+multiply on an AMX CPU (seen on a 2-core Xeon with AMX: `tinygemm_kernel_amx`, exit -4),
+so no peer would run there; the barrier emits no instruction and changes no result, and
+its switch (``GGML_CPU_NO_AMX``) does nothing unless set. Every binary is checked like the
+wheel (check_amx_codegen.py). Statically linked, with ``CMAKE_ARGS`` passed through (e.g.
+``-DGGML_CUDA=ON``). Cached under ``<home>/tools/<key>/``; the key hashes the version, this
+script, the patch, the CMake options and the platform. Prints the directory holding the
+binaries on its last line of stdout.
 
 Standard library only, like build_wheel.py, whose sdist download it shares.
 """
@@ -27,10 +33,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_wheel import (LLAMA_CPP_PYTHON_VERSION, BuildError, fetch_sdist,  # noqa: E402
-                         home_dir, log)
+from build_wheel import (LLAMA_CPP_PYTHON_VERSION, PATCH_DIR, BuildError,  # noqa: E402
+                         apply_patches, fetch_sdist, home_dir, log)
+from check_amx_codegen import check_file  # noqa: E402
 
 TARGETS = ["llama-speculative-simple", "llama-lookup", "llama-lookup-create"]
+# what the peers get of ours: the AMX miscompilation fix, nothing that changes llama.cpp
+PATCHES = [PATCH_DIR / "0003-amx-tile-stores-and-switch.patch"]
 DEFAULT_CMAKE_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",       # self-contained binaries: nothing to find at run time
@@ -55,6 +64,8 @@ def cache_key(args: list[str]) -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}\n".encode())
     h.update(Path(__file__).read_bytes())
+    for p in PATCHES:
+        h.update(p.read_bytes())
     h.update(" ".join(args).encode())
     h.update(f"{sys.platform} {platform.machine()} {platform.processor()}".encode())
     return h.hexdigest()[:16]
@@ -68,6 +79,7 @@ def build(out_dir: Path, args: list[str]) -> Path:
             members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
             tar.extractall(work, members=members)
         src = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+        apply_patches(src, PATCHES)
         bld = work / "build"
         jobs = str(os.cpu_count() or 2)
         log(f"building {', '.join(TARGETS)} (CMake options: {' '.join(args)}); "
@@ -92,8 +104,13 @@ def build(out_dir: Path, args: list[str]) -> Path:
             if not found:
                 raise BuildError(f"{exe(t)} not found under {bld} after the build")
             shutil.copy2(found[0], staging / exe(t))
+            ok, msg = check_file(staging / exe(t))
+            if not ok:
+                raise BuildError(msg)
+            log(msg)
         (staging / "build.json").write_text(json.dumps({
             "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "targets": TARGETS,
+            "patches": [p.name for p in PATCHES],
             "cmake_args": args, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(staging, out_dir)  # an interrupted build leaves no half-filled entry

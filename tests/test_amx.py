@@ -130,3 +130,24 @@ def test_native_wheel_key_follows_the_cpu(monkeypatch):
     assert build_wheel.is_native(args) and not build_wheel.is_native(generic)
     monkeypatch.undo()
     assert len(build_wheel.cpu_features().split()) > 1  # this machine's real feature list
+
+
+def test_peer_tools_carry_patch_0003_and_pass_the_codegen_check():
+    """llama.cpp's own tools (the bench's peers) get patch 0003 and no other: built stock, the
+    first AMX matrix multiply of each died with SIGILL on a 2-core Xeon with AMX (exit -4,
+    `tinygemm_kernel_amx`), so no peer ran there."""
+    from specee_cpp.bench.peers import TOOLS, tools_dir
+    from specee_cpp.errors import SpeceeError
+
+    build_peers = load_script("build_peers")
+    assert [p.name for p in build_peers.PATCHES] == ["0003-amx-tile-stores-and-switch.patch"]
+    try:
+        tools = tools_dir()
+    except SpeceeError as e:
+        pytest.skip(f"llama.cpp's tools are not built: {e}")
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump")
+    for t in TOOLS:
+        exe = next(tools.glob(f"{t}*"))
+        ok, msg = check.check_file(exe)
+        assert ok, msg
