@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specee_cpp.config import N_CTX
+
 SETTINGS = ("4k-mapped", "huge-mapped", "huge-private", "lcpp-plain")
 
 CHILD = r"""
@@ -39,22 +41,35 @@ import json, sys
 from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM
 from specee_cpp.memory import anon_huge_bytes
-model, mmap, max_tokens = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
-with LLM(model, config=LoadConfig(mmap=mmap)) as llm:
+model, mmap = sys.argv[1], sys.argv[2] == "1"
+max_tokens, n_ctx = int(sys.argv[3]), int(sys.argv[4])
+with LLM(model, config=LoadConfig(mmap=mmap, n_ctx=n_ctx)) as llm:
     r = llm.generate(sys.stdin.read(), chat=False, max_tokens=max_tokens, mode="plain")
-    print(json.dumps({"decode_s": r.stats.decode_s, "n_decode": r.stats.n_decode,
-                      "huge": anon_huge_bytes()}))
+    held = anon_huge_bytes()
+print(json.dumps({"decode_s": r.stats.decode_s, "n_decode": r.stats.n_decode,
+                  "tokens": r.tokens, "huge": held, "after": anon_huge_bytes()}))
 """
 
 
-def ours(model: str, setting: str, text: str, max_tokens: int) -> tuple[float, int]:
-    env = dict(os.environ, SPECEE_CPP_HUGEPAGES="0" if setting == "4k-mapped" else "1")
-    mmap = "0" if setting == "huge-private" else "1"
-    r = subprocess.run([sys.executable, "-c", CHILD, model, mmap, str(max_tokens)],
+def child_run(model: str, mmap: bool, huge_pages: bool, text: str, max_tokens: int,
+              n_ctx: int = N_CTX) -> dict:
+    """Our plain loop on ``text`` in a fresh process (nothing of this one's memory shapes
+    where its buffers land), with a context of ``n_ctx`` tokens:
+    decode_s, n_decode, the tokens, and the process's bytes on huge pages while the model is
+    loaded ("huge") and after it is closed ("after")."""
+    env = dict(os.environ, SPECEE_CPP_HUGEPAGES="1" if huge_pages else "0")
+    r = subprocess.run([sys.executable, "-c", CHILD, model, "1" if mmap else "0",
+                        str(max_tokens), str(n_ctx)],
                        input=text, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise SystemExit(f"{setting} failed:\n{r.stderr[-2000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"our loop (mmap {mmap}, huge pages {huge_pages}) failed:\n"
+                         f"{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ours(model: str, setting: str, text: str, max_tokens: int) -> tuple[float, int]:
+    out = child_run(model, mmap=setting != "huge-private", huge_pages=setting != "4k-mapped",
+                    text=text, max_tokens=max_tokens)
     return out["decode_s"] / out["n_decode"], out["huge"] or 0
 
 
@@ -120,8 +135,8 @@ def main() -> int:
     base = SETTINGS[0]
     lines = [f"Machine: {where}.", f"Huge pages: {pages()}.", "",
              f"{len(work)} prompts x {ns.rounds} rounds, {ns.max_tokens} tokens, one fresh "
-             "process a measurement (long-lived: this one); speed relative to 4k-mapped = median over prompts of "
-             "its time / the setting's time.", "",
+             "process a measurement (long-lived: this one); speed relative to 4k-mapped = "
+             "median over prompts of its time / the setting's time.", "",
              "| setting | ms a token (mean) | speed vs 4k-mapped (median) | on huge pages |",
              "|---|---:|---:|---:|"]
     for s in settings:

@@ -8,6 +8,19 @@ import pytest
 from specee_cpp import memory
 
 
+def load_pages_check():
+    """scripts/pages_check.py as a module (its fresh-process runs of our loop)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import pages_check
+    finally:
+        sys.path.pop(0)
+    return pages_check
+
+
 def test_thp_mode_reads_the_bracketed_policy(tmp_path):
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")
@@ -45,33 +58,17 @@ def test_buffers_on_huge_pages_and_output_unchanged(small_model):
     """A private copy of the weights lands on huge pages (the patch's advice; under THP
     "madvise" nothing else would put it there), and greedy output is the same token for
     token whether the weights are mapped, private on huge pages, or private on 4 KiB pages."""
-    import json
-    import os
-    import subprocess
-    import sys
+    pages_check = load_pages_check()
 
     def run(mmap: bool, pages: str) -> tuple[list[int], int]:
-        """Load, generate and count this model's huge pages (held while loaded minus after
-        close) in a fresh process: in the full suite's process the count read 0 MiB on a
-        Xeon with AMX while the same test alone passed, the process's earlier models
-        shaping what a new load gets."""
-        code = (
-            "import json, sys\n"
-            "from specee_cpp import memory\n"
-            "from specee_cpp.config import LoadConfig\n"
-            "from specee_cpp.engine.llm import LLM\n"
-            "with LLM(sys.argv[1], config=LoadConfig(n_ctx=512, n_threads=2,"
-            " mmap=sys.argv[2] == '1')) as llm:\n"
-            "    held = memory.anon_huge_bytes()\n"
-            "    out = llm.generate('The capital of France is', chat=False,"
-            " max_tokens=16).tokens\n"
-            "print(json.dumps([out, held - memory.anon_huge_bytes()]))\n")
-        env = dict(os.environ, SPECEE_CPP_HUGEPAGES=pages)
-        r = subprocess.run([sys.executable, "-c", code, str(small_model), "1" if mmap else "0"],
-                           env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        out, grown = json.loads(r.stdout.strip().splitlines()[-1])
-        return out, grown
+        """Output and this model's huge pages (held while loaded minus after close), in a
+        fresh process: in the full suite's process the count read 0 MiB on a Xeon with AMX
+        while the same test alone passed, the process's earlier models shaping what a new
+        load gets."""
+        out = pages_check.child_run(str(small_model), mmap=mmap, huge_pages=pages == "1",
+                                    text="The capital of France is", max_tokens=16,
+                                    n_ctx=512)
+        return out["tokens"], out["huge"] - out["after"]
 
     mapped, _ = run(True, "1")
     private, huge = run(False, "1")
@@ -89,13 +86,8 @@ def test_pages_check_script_measures_every_setting(small_model, monkeypatch, cap
     process, llama.cpp's loop and the script's own process beside them; the table has every
     setting with a speed."""
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
-        import pages_check
-    finally:
-        sys.path.pop(0)
+    pages_check = load_pages_check()
     monkeypatch.setattr(sys, "argv", ["pages_check.py", str(small_model), "--limit", "1",
                                       "--rounds", "1", "--max-tokens", "4", "--long-lived"])
     assert pages_check.main() == 0
