@@ -15,6 +15,9 @@ from specee_cpp.errors import SpeceeError
 CPU = CostModel([0.034 * x for x in (1.0, 1.68, 2.27, 2.77, 3.5, 4.15, 4.64, 6.44, 7.05, 7.4,
                                       8.09, 8.3, 8.39, 9.2, 9.6, 8.34)], 0.593 * 0.034)
 GPU = simulate.gpu_like(CPU, bpw=4.85)
+# the AMX Xeon's (session 12): verify 2/4/8/16 = 1.61/1.77/2.02/2.70, a draft token 0.43
+XEON = CostModel([0.084 * x for x in (1.0, 1.61, 1.69, 1.77, 1.83, 1.89, 1.95, 2.02, 2.1,
+                                      2.18, 2.26, 2.34, 2.42, 2.5, 2.6, 2.70)], 0.43 * 0.084)
 
 
 def synthetic_records(n_runs: int = 40, gamma: int = 8, bpw: float = 4.85, seed: int = 0,
@@ -96,6 +99,75 @@ def test_cost_aware_policies_follow_the_costs(model):
         policies.make_policy("often")
     with pytest.raises(SpeceeError, match="needs a fitted controller"):
         policies.make_policy("auto")
+
+
+class LastRate:
+    """An acceptance model that predicts the last round's acceptance rate for every gamma
+    and a token's top-1 probability for the token: the policy's logic without a fit."""
+    prior = [0.5, 1.0, 0.8, 0.6, 0.8]
+
+    def rates(self, feats, gammas):
+        return np.full(len(gammas), feats[4])
+
+    def token_p(self, top1, entropy, pos, bpw):
+        return top1
+
+
+def test_auto_cuts_each_round_where_its_tokens_stop_paying(model):
+    """auto's round model decides whether to draft and at most how many; the token rule
+    then drops an unsure token (the round model alone drafted its whole gamma: 48% accepted
+    on HumanEval on the AMX Xeon, 0.948x plain). An exploring single-token round keeps its
+    token whatever it promises: only a drafted token refreshes the round statistics."""
+    gpu = policies.CostAwareGamma(model, GPU, 4.85)
+    g = gpu.plan()
+    assert g >= 2
+    assert gpu.keep(0, 0.99, 0.05) and gpu.more(0)
+    assert not gpu.keep(1, 0.02, 6.0)
+    # the AMX Xeon's shape (verify nearly flat, a draft token 0.43): drafting pays only at
+    # high acceptance, so a hopeless last round means plain steps, then one explorer
+    xeon = policies.CostAwareGamma(LastRate(), XEON, 4.85)
+    xeon.feats = [0.05, 0.1, 0.99, 0.97, 0.95, 4.85]
+    assert xeon.plan() >= 4
+    xeon.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]
+    plans = [xeon.plan() for _ in range(xeon.explore_every)]
+    assert plans[:-1] == [0] * (xeon.explore_every - 1) and plans[-1] == 1
+    assert xeon.keep(0, 0.02, 6.0)                  # the explorer keeps its token
+    assert xeon.plan() == 0 and not xeon._exploring
+
+
+def test_the_token_rule_pays_in_replay(model):
+    """Replayed on rounds whose tokens are accepted as often as the draft is sure of them,
+    auto with the token rule beats the same round model drafting its whole gamma, in
+    acceptance and in speed."""
+    class RoundOnly(policies.CostAwareGamma):
+        def keep(self, i, top1, entropy):
+            return True
+
+        def more(self, i):
+            return True
+
+    recs = synthetic_records(n_runs=10, seed=5)
+    auto = simulate.replay(recs, lambda: policies.CostAwareGamma(model, GPU, 4.85), GPU)
+    whole = simulate.replay(recs, lambda: RoundOnly(model, GPU, 4.85), GPU)
+    assert whole.drafted > 0 and auto.drafted > 0
+    assert auto.accepted / auto.drafted > whole.accepted / whole.drafted + 0.05
+    assert auto.speedup > whole.speedup
+
+
+def test_a_round_whose_drafts_were_all_dropped_counts_as_drafted():
+    """The per-token rule may drop a round's first token after paying for it: the guard
+    must see that round as a drafted one (slow), not as a plain step (which would make
+    plain look slower and drafting better than they are)."""
+    stop = policies.CostAwareStop(LastRate(), XEON, 4.85)
+    plain_s = XEON.plain
+    for _ in range(8):
+        stop.update(0, 0, [], [], plain_s)              # real plain steps
+    for _ in range(stop.guard.window):
+        assert stop.plan() > 0
+        assert not stop.keep(0, 0.02, 6.0)
+        stop.update(0, 0, [], [], plain_s + XEON.draft(1), tried=True)
+    assert stop.plan() == 0                             # backed off: the tries lost
+    assert stop.guard.plain_tps() == pytest.approx(1 / plain_s)
 
 
 def test_predicted_speed_of_model_drafting_weighs_free_drafts(model):
@@ -184,6 +256,29 @@ def test_every_policy_is_lossless(pair, model):
             rejected[pol.name] = rejected.get(pol.name, 0) + st.n_drafted - st.n_accept
     # every policy saw rejected drafts, so the equality above covered rollbacks
     assert all(n > 0 for n in rejected.values()), rejected
+
+
+@pytest.mark.model
+def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
+    """A guard that backed off in one generation still holds in the next (a chat's next
+    turn, a bench's next prompt), and only for the options it judged."""
+    from specee_cpp.spec.mode import SpecOptions, draft_policy, use_cost_model
+
+    model.save(tmp_path / "ctl.npz")
+    use_cost_model(pair, GPU)   # drafting pays there
+    auto = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz", context=False)
+    stop = SpecOptions(gamma="stop", controller=tmp_path / "ctl.npz", context=False)
+    first = draft_policy(pair, auto)
+    assert draft_policy(pair, auto).guard is first.guard
+    assert draft_policy(pair, stop).guard is not first.guard
+    free = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
+    assert free.stats.n_drafted > 0
+    first.guard.wait = 10_000   # as after probes that kept losing
+    held = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
+    assert held.stats.n_drafted == 0 and held.tokens == free.tokens
+    assert pair.generate("def fib(n):", max_tokens=24, mode="spec",
+                         options=stop).stats.n_drafted > 0
+    pair.forget(("spec", "costs"))
 
 
 @pytest.mark.model

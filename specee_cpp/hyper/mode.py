@@ -62,7 +62,7 @@ class SpecEE(Mode):
         if llm.draft_path is None:
             raise SpeceeError("mode spec-ee needs a draft model (--draft)")
         pred = predictors(llm, opts.ee)
-        policy = draft_policy(llm, opts.spec)
+        policy = draft_policy(llm, opts.spec, kind=opts)
         note_gamma = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
                       + ("" if not policy.plan_is_plain else
                          ": never drafts on this machine's measured costs (plain decoding)"))

@@ -255,7 +255,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 context.update(len(free), n_acc)
             else:
                 policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
-                              round_s)
+                              round_s, tried=g_max > 0)
             if context is not None:
                 context.extend(draft[:n_acc] + [nxt], emitted=True)
         if trace is not None and draft and not free:

@@ -200,17 +200,26 @@ def history_drafts(llm) -> HistoryDrafts:
                       lambda: HistoryDrafts(llm.model.info.tokenizer_fingerprint))
 
 
-def draft_policy(llm, opts: SpecOptions):
-    """A fresh draft-length policy for one generation (policies keep per-run state)."""
+def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
+    """A fresh draft-length policy for one generation (policies keep per-run state), whose
+    guard (what drafted rounds really reached against plain steps) lives as long as the
+    loaded pair and these options: a chat's next turn, the server's next request and a
+    bench's next prompt start from what the last generations learned, instead of paying
+    again for the drafted rounds that teach a fresh guard that drafting loses here (in
+    64-token answers that was most of the answer). ``kind`` keeps apart the guards of
+    modes that verify differently (spec-ee passes its own options)."""
     from .policies import make_policy
 
     g = opts.gamma
     if isinstance(g, int) and g >= llm.config.n_batch:
         raise SpeceeError(f"gamma must be in [0, {llm.config.n_batch}), got {g}")
-    return make_policy(g, model=acceptance_model(llm, opts.controller) if g in NEEDS_MODEL
-                       else None,
-                       costs=cost_model(llm) if g in NEEDS_COSTS else None,
-                       bpw=llm.model.bits_per_weight)
+    policy = make_policy(g, model=acceptance_model(llm, opts.controller) if g in NEEDS_MODEL
+                         else None,
+                         costs=cost_model(llm) if g in NEEDS_COSTS else None,
+                         bpw=llm.model.bits_per_weight)
+    if getattr(policy, "guard", None) is not None:
+        policy.guard = llm.cached(("spec", "guard", kind, opts), lambda: policy.guard)
+    return policy
 
 
 class Spec(Mode):

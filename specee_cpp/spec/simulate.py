@@ -70,7 +70,7 @@ def replay(records: list[dict], make: Callable[[], DraftPolicy], costs: CostMode
             n_rounds += 1
             drafted += d
             accepted += a
-            policy.update(d, a, r["draft_top1"][:d], r["draft_entropy"][:d], t)
+            policy.update(d, a, r["draft_top1"][:d], r["draft_entropy"][:d], t, tried=g > 0)
     return Replay(tokens, seconds, n_rounds, drafted, accepted, 1.0 / costs.plain)
 
 
