@@ -189,12 +189,20 @@ def with_mode_flags(command):
     return run
 
 
+def _sources(by_source: dict[str, list[int]]) -> str:
+    """Who drafted: ", all from the model", or accepted/drafted per source where several
+    did ("; context 60/70, model 9/20")."""
+    if len(by_source) == 1:
+        return f", all from the {next(iter(by_source))}"
+    return "; " + ", ".join(f"{k} {a}/{d}" for k, (d, a) in sorted(by_source.items()))
+
+
 def _stats_line(stats) -> str:
     parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s",
              f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s"]
     if stats.n_drafted:
         parts.append(f"drafted {stats.n_drafted}, accepted {stats.n_accept} "
-                     f"({stats.acceptance:.0%})")
+                     f"({stats.acceptance:.0%}{_sources(stats.by_source)})")
     n_exit = sum(stats.exit_layers.values())
     if n_exit:
         mean = sum(k * v for k, v in stats.exit_layers.items()) / n_exit

@@ -275,6 +275,10 @@ def test_bench_end_to_end(small_model, tmp_path):
     assert [next(r.config for r in recs if r.prompt_id == i) for i in ids] == ["plain", "spec-2"]
     assert all(r.agreement >= 0.9 for r in recs if r.config == "plain")
     assert all(r.agreement is None for r in recs if r.config != "plain")
+    # spec-2's drafts all came from the draft model, and the records say so
+    assert all(r.by_source == {"model": [r.n_drafted, r.n_accept]}
+               for r in recs if r.config == "spec-2" and r.n_drafted)
+    assert all(r.by_source is None for r in recs if r.config != "spec-2")
     for ext in (".json", ".md", ".png", ".jsonl"):
         assert (tmp_path / "out" / ("q" + ext)).is_file()
     assert "## Tiny" in (tmp_path / "B.md").read_text()

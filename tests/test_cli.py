@@ -158,6 +158,8 @@ def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
     spec = json.loads(r.stdout)
     assert spec["tokens"] == json.loads(plain.stdout)["tokens"]
     assert spec["stats"]["n_drafted"] > spec["stats"]["n_accept"] > 0  # drafted, some rejected
+    assert spec["stats"]["drafted_by_source"] == {
+        "model": {"drafted": spec["stats"]["n_drafted"], "accepted": spec["stats"]["n_accept"]}}
     assert spec["stats"]["note"].startswith(f"draft {draft.name}, gamma 3")
     # with a draft and no --mode the cost-aware spec mode runs; this draft has no fitted
     # controller, so it decodes plainly and says why on the stats line
@@ -168,5 +170,6 @@ def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
     assert "no draft-length controller" in doc["stats"]["note"]
     r = run("generate", small_model, "--draft", draft, "--gamma", "2", "-p", "hi", "-n", "8")
     assert "drafted" in r.stderr and f"draft {draft.name}, gamma 2" in r.stderr
+    assert "all from the model" in r.stderr
     assert_one_line_error(run("generate", small_model, "--draft", small_model, "--mode", "spec",
                               "--gamma", "often", "-p", "x"), "gamma must be a number of tokens")

@@ -78,6 +78,7 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     st = steps[-1].stats
     assert got == plain.tokens
     assert st.n_drafted > 10 and st.n_accept > 0      # the context drafted, and was verified
+    assert st.by_source == {"context": [st.n_drafted, st.n_accept]}
     for i, s in enumerate(steps):                      # a round's last step carries its counts
         if s.n_drafted:
             emitted_before = i - s.n_accept
@@ -167,6 +168,9 @@ def test_spec_with_history_drafts_earlier_outputs_and_stays_lossless(small_model
     # the first answer, drafted for free and accepted (the context alone guessed poorly)
     assert second.n_accept >= 20 and second.acceptance > 0.9
     assert second.acceptance > first.acceptance + 0.3
+    # the stats say who drafted: most of the second answer came from the history
+    assert sum(d for d, _ in second.by_source.values()) == second.n_drafted
+    assert second.by_source["history"][1] >= 20
     with pytest.raises(SpeceeError, match="--history"):
         SpecOptions(gamma=4, history=True)
     with pytest.raises(SpeceeError, match="--no-context"):

@@ -25,6 +25,8 @@ class Record:
     n_decode: int
     n_drafted: int | None = None      # speculative configurations: tokens drafted
     n_accept: int | None = None       # of which accepted by the target
+    # ours: [drafted, accepted] by who drafted (model, context, history)
+    by_source: dict[str, list[int]] | None = None
     n_exit: int | None = None         # early exit: tokens that left the target early
     exit_layer_sum: int = 0           # sum of their exit layers (mean exit layer)
     control_s: float | None = None    # ours: seconds spent choosing draft lengths

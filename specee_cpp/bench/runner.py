@@ -136,6 +136,7 @@ class Runner:
                     "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": s.n_decode,
                     "n_drafted": s.n_drafted if drafts else None,
                     "n_accept": s.n_accept if drafts else None,
+                    "by_source": s.by_source if drafts else None,
                     "n_exit": sum(s.exit_layers.values()) if exits else None,
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
                     "control_s": s.timings.get("control", 0.0),

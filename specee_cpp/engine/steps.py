@@ -30,6 +30,8 @@ class Stats:
     exit_layers: dict[int, int] = field(default_factory=dict)   # exit layer -> count
     # speculative rounds: [drafted at position i, accepted at position i] for i = 0, 1, ...
     accept_by_pos: list[list[int]] = field(default_factory=list)
+    # where the drafts came from (model, context, history) -> [drafted, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)     # seconds by phase
     finish_reason: str = "length"
     note: str = ""                # the mode's note (spec: which draft, or why none)
@@ -56,6 +58,8 @@ class Stats:
             "acceptance": self.acceptance,
             "acceptance_by_position": [round(a / d, 4) if d else None
                                        for d, a in self.accept_by_pos],
+            "drafted_by_source": {k: {"drafted": d, "accepted": a}
+                                  for k, (d, a) in sorted(self.by_source.items())},
             "exit_layers": {str(k): v for k, v in sorted(self.exit_layers.items())},
             "timings": {k: round(v, 6) for k, v in self.timings.items()},
             "finish_reason": self.finish_reason, "note": self.note,
@@ -74,6 +78,7 @@ class Step:
     exit_layer: int | None = None   # layer the target exited at, None for full depth
     n_drafted: int = 0              # tokens drafted in the step that produced this token
     n_accept: int = 0               # of which accepted
+    source: str | None = None       # who drafted them: model, context or history
     # seconds spent producing this token, by phase: prefill, decode, draft, layers, probe, head
     timings: dict[str, float] = field(default_factory=dict)
     text: str = ""
@@ -120,6 +125,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     n_gen = n_steps = n_drafted = n_accept = 0
     note = ""
     by_pos: list[list[int]] = []
+    by_source: dict[str, list[int]] = {}
     t_start = time.perf_counter()
 
     def finish(step: Step, text: str, reason: str) -> Step:
@@ -128,6 +134,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                       decode_s=max(decode_s, 0.0), n_drafted=n_drafted, n_accept=n_accept,
                       n_decode=max(n_steps - 1, 0),
                       accept_by_pos=[list(x) for x in by_pos],
+                      by_source={k: list(v) for k, v in by_source.items()},
                       exit_layers=dict(exits), timings=dict(totals), finish_reason=reason,
                       note=note)
         return replace(step, text=text, finish_reason=reason, stats=stats)
@@ -140,6 +147,10 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
             totals.update(step.timings)
             n_drafted += step.n_drafted
             n_accept += step.n_accept
+            if step.n_drafted:
+                tally = by_source.setdefault(step.source or "model", [0, 0])
+                tally[0] += step.n_drafted
+                tally[1] += step.n_accept
             for i in range(step.n_drafted):  # a round accepts a prefix: positions < n_accept
                 if i == len(by_pos):
                     by_pos.append([0, 0])

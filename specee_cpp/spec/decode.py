@@ -269,5 +269,6 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         timings = {k: ph.seconds.get(k, 0.0) for k in
                    ("draft", "verify" if draft else "decode", "control")}
         yield Step(token=nxt, exit_layer=exit_layer, n_drafted=len(draft), n_accept=n_acc,
+                   source=(context.source if free else "model") if draft else None,
                    timings=timings)
         token = nxt

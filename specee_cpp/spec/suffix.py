@@ -268,6 +268,11 @@ class ContextSource:
         self._band = sum(prop.match >= b for b in self.BANDS)
         return prop
 
+    @property
+    def source(self) -> str:
+        """Where the last plan's draft came from: this context or the history store."""
+        return "history" if self._src == 1 else "context"
+
     def features(self, prop: Proposal) -> np.ndarray:
         """The copy model's inputs for ``prop`` in this state (``copy_features``); the overall
         hit rate starts from one hit and one miss."""
