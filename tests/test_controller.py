@@ -274,11 +274,55 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     free = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
     assert free.stats.n_drafted > 0
     first.guard.wait = 10_000   # as after probes that kept losing
+    pair.reset()
     held = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
     assert held.stats.n_drafted == 0 and held.tokens == free.tokens
+    assert pair.dft.seq.tokens == []   # held at plain: the draft never read the prompt
     assert pair.generate("def fib(n):", max_tokens=24, mode="spec",
                          options=stop).stats.n_drafted > 0
     pair.forget(("spec", "costs"))
+
+
+@pytest.mark.model
+def test_the_guard_judges_rounds_without_the_drafts_catch_up(pair):
+    """After plain steps the draft is behind by as many tokens; the first drafted round
+    catches it up in one batch. That batch is timed apart (``catch_up``) and left out of the
+    seconds the policy (its guard) judges the round by: a probe after a long wait would
+    otherwise look as slow as the wait was long."""
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.spec.decode import generate_spec
+
+    class Late(policies.DraftPolicy):
+        """Plain for 12 steps, then 2 tokens a round; records what update() is told."""
+        def __init__(self):
+            self.n, self.seen = 0, []
+
+        def plan(self):
+            self.n += 1
+            return 2 if self.n > 12 else 0
+
+        def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False):
+            self.seen.append((tried, seconds))
+
+    pair.reset()
+    pol = Late()
+    steps = []
+    for st in generate_spec(pair.tgt.seq, pair.dft.seq, pair.prompt_tokens("def fib(n):"),
+                            pol, SamplingConfig()):
+        steps.append(st)
+        if len(steps) >= 24:
+            break
+    rounds = [s for s in steps[1:] if s.timings]   # one step per round carries its timings
+    first = next(i for i, (tried, _) in enumerate(pol.seen) if tried)
+    assert first == 12
+    assert rounds[first].timings["catch_up"] > 0   # the 12 plain steps, in one batch
+    # the policy was told the round's own time: draft, verify and the control before it
+    # (update() itself is control too), not the catch-up
+    t = rounds[first].timings
+    own = t["draft"] + t["verify"]
+    assert own <= pol.seen[first][1] <= own + t["control"]
+    assert t["catch_up"] > t["control"]
+    assert all("catch_up" not in r.timings for r in rounds[first + 1:])
 
 
 @pytest.mark.model

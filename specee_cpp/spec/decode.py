@@ -24,6 +24,10 @@ from ..errors import SpeceeError
 from .policies import DraftPolicy, FixedGamma
 from .suffix import ContextSource
 
+# the draft's catch-up after a drafted round: the last drafted token (accepted, never decoded
+# by the draft) and the target's own token
+ROUND_CATCH_UP = 2
+
 
 def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,
                   rng: np.random.Generator, greedy: bool) -> tuple[int, int]:
@@ -170,9 +174,12 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     token, _ = choose(tgt)
     if context is not None:
         context.extend(prompt + [token])
-    if not policy.plan_is_plain:
+    if not policy.plan_is_plain and not policy.waiting():
         # the draft reads the prompt up front, as part of prefill (llama.cpp's tools count it
-        # there too); a policy that may never draft leaves it to the first drafted round
+        # there too); a policy that may never draft, or whose guard holds it at plain
+        # decoding for now (drafting lost in the last generations), leaves it to the first
+        # drafted round: a chat turn where drafting does not pay keeps plain's first-token
+        # latency
         dft.prefill(prompt)
     yield Step(token=token, timings={"prefill": time.perf_counter() - t0})
     n_out = 1
@@ -199,8 +206,14 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         q = [None if greedy else one_hot(t, tgt) for t in free]
         with ph("draft"):
             if g_max > 0:
-                # catch the draft up on everything emitted since it last ran (one batch)
-                dft.prefill(tgt.tokens + [token], read=False)
+                # catch the draft up on everything emitted since it last ran (one batch):
+                # after a drafted round that is 1-2 tokens, part of what a round costs; after
+                # plain steps, free drafts or a deferred prompt it can be hundreds, a cost of
+                # having paused model drafting, timed apart so that the guard judges the
+                # rounds themselves
+                behind = len(tgt.tokens) + 1 - len(dft.tokens)
+                with ph("catch_up" if behind > ROUND_CATCH_UP else "draft"):
+                    dft.prefill(tgt.tokens + [token], read=False)
             for i in range(g_max):
                 lg = None
                 if confidence or verifier is not None:
@@ -249,7 +262,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 if dft is not None:
                     dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
         # 4. the source that drafted learns from the round (its own time is control)
-        round_s = sum(ph.seconds.values())
+        round_s = sum(v for k, v in ph.seconds.items() if k != "catch_up")
         with ph("control"):
             if free:
                 context.update(len(free), n_acc)
@@ -268,6 +281,8 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         # a plain step may follow a draft whose first token was dropped (g_max > 0)
         timings = {k: ph.seconds.get(k, 0.0) for k in
                    ("draft", "verify" if draft else "decode", "control")}
+        if "catch_up" in ph.seconds:
+            timings["catch_up"] = ph.seconds["catch_up"]
         yield Step(token=nxt, exit_layer=exit_layer, n_drafted=len(draft), n_accept=n_acc,
                    source=(context.source if free else "model") if draft else None,
                    timings=timings)

@@ -217,7 +217,7 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
                          else None,
                          costs=cost_model(llm) if g in NEEDS_COSTS else None,
                          bpw=llm.model.bits_per_weight)
-    if getattr(policy, "guard", None) is not None:
+    if policy.guard is not None:
         policy.guard = llm.cached(("spec", "guard", kind, opts), lambda: policy.guard)
     return policy
 

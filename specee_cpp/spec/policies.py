@@ -30,6 +30,7 @@ class DraftPolicy:
     name = "policy"
     needs_confidence = False
     plan_is_plain = False   # True: plan() is always 0, so plain decoding can run instead
+    guard: Guard | None = None   # the cost-aware policies': what drafting really reached
 
     def plan(self) -> int:
         raise NotImplementedError
@@ -50,6 +51,11 @@ class DraftPolicy:
     def at_context(self, n_tokens: int) -> None:
         """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
         costs at this length)."""
+
+    def waiting(self) -> bool:
+        """Whether the policy holds at plain decoding for now (its guard backed off): the
+        draft need not read the prompt up front."""
+        return self.guard is not None and self.guard.wait > 0
 
     def predicted_tps(self) -> float:
         """The tokens per second this policy expects of its next drafted round on this
@@ -156,8 +162,6 @@ class _RoundModelPolicy(DraftPolicy):
     gamma from the last drafted round's statistics."""
 
     needs_confidence = True
-
-    guard: Guard | None = None
 
     def __init__(self, model: AcceptanceModel, bpw: float, gammas=range(1, MAX_GAMMA + 1)):
         self.model, self.bpw = model, bpw
