@@ -284,11 +284,10 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
 
 
 @pytest.mark.model
-def test_the_guard_judges_rounds_without_the_drafts_catch_up(pair):
+def test_a_round_is_told_the_drafts_catch_up(pair):
     """After plain steps the draft is behind by as many tokens; the first drafted round
-    catches it up in one batch. That batch is timed apart (``catch_up``) and left out of the
-    seconds the policy (its guard) judges the round by: a probe after a long wait would
-    otherwise look as slow as the wait was long."""
+    catches it up in one batch, timed apart (``catch_up``) and passed to the policy with
+    the round's time, which includes it (the guard decides what to charge: Guard)."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.spec.decode import generate_spec
 
@@ -301,8 +300,9 @@ def test_the_guard_judges_rounds_without_the_drafts_catch_up(pair):
             self.n += 1
             return 2 if self.n > 12 else 0
 
-        def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False):
-            self.seen.append((tried, seconds))
+        def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
+                   catch_up=0.0):
+            self.seen.append((tried, seconds, catch_up))
 
     pair.reset()
     pol = Late()
@@ -313,16 +313,16 @@ def test_the_guard_judges_rounds_without_the_drafts_catch_up(pair):
         if len(steps) >= 24:
             break
     rounds = [s for s in steps[1:] if s.timings]   # one step per round carries its timings
-    first = next(i for i, (tried, _) in enumerate(pol.seen) if tried)
+    first = next(i for i, (tried, _, _) in enumerate(pol.seen) if tried)
     assert first == 12
-    assert rounds[first].timings["catch_up"] > 0   # the 12 plain steps, in one batch
-    # the policy was told the round's own time: draft, verify and the control before it
-    # (update() itself is control too), not the catch-up
     t = rounds[first].timings
-    own = t["draft"] + t["verify"]
-    assert own <= pol.seen[first][1] <= own + t["control"]
-    assert t["catch_up"] > t["control"]
+    assert t["catch_up"] > t["control"]            # the 12 plain steps, in one batch
+    tried, seconds, catch_up = pol.seen[first]
+    assert catch_up == t["catch_up"]
+    own = t["draft"] + t["verify"] + t["catch_up"]
+    assert own <= seconds <= own + t["control"]
     assert all("catch_up" not in r.timings for r in rounds[first + 1:])
+    assert all(c == 0.0 for _, _, c in pol.seen[first + 1:])
 
 
 @pytest.mark.model

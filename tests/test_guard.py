@@ -58,3 +58,17 @@ def test_plain_speed_is_learned_from_plain_steps():
     assert abs(g.plain_tps() - 4.0) < 1e-6
     lose(g, 2, tps=5.0)                  # 5 tok/s beats the measured 4, not the prior 100
     assert g.gate(4) == 4
+
+
+def test_catch_up_is_charged_except_to_the_first_round_after_a_wait():
+    """The draft's catch-up on free drafts and chosen plain steps is a cost of drafting with
+    the model (charged); the catch-up on the guard's own wait is the wait's, and only the
+    first drafted round after it is judged without it."""
+    g = Guard(plain_tps_prior=10.0, window=1, first_backoff=8)
+    g.observe(n_drafted=3, tokens=4, seconds=0.5, catch_up=0.3)   # 8 tok/s with it
+    assert g.gate(4) == 0                                          # charged: lost
+    gated_steps(g)
+    g.observe(n_drafted=3, tokens=4, seconds=0.5, catch_up=0.3)   # 20 tok/s without it
+    assert g.gate(4) == 4                                          # the probe won
+    g.observe(n_drafted=3, tokens=4, seconds=0.5, catch_up=0.3)
+    assert g.gate(4) == 0                                          # charged again

@@ -207,10 +207,9 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         with ph("draft"):
             if g_max > 0:
                 # catch the draft up on everything emitted since it last ran (one batch):
-                # after a drafted round that is 1-2 tokens, part of what a round costs; after
-                # plain steps, free drafts or a deferred prompt it can be hundreds, a cost of
-                # having paused model drafting, timed apart so that the guard judges the
-                # rounds themselves
+                # after a drafted round 1-2 tokens; after plain steps, free drafts or a
+                # deferred prompt it can be hundreds, timed apart (the guard charges it to
+                # the round, except after its own wait: Guard)
                 behind = len(tgt.tokens) + 1 - len(dft.tokens)
                 with ph("catch_up" if behind > ROUND_CATCH_UP else "draft"):
                     dft.prefill(tgt.tokens + [token], read=False)
@@ -262,13 +261,13 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 if dft is not None:
                     dft.rewind(min(len(dft.tokens), base_t + 1 + n_acc))
         # 4. the source that drafted learns from the round (its own time is control)
-        round_s = sum(v for k, v in ph.seconds.items() if k != "catch_up")
+        round_s = sum(ph.seconds.values())
         with ph("control"):
             if free:
                 context.update(len(free), n_acc)
             else:
                 policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
-                              round_s, tried=g_max > 0)
+                              round_s, tried=g_max > 0, catch_up=ph.seconds.get("catch_up", 0.0))
             if context is not None:
                 context.extend(draft[:n_acc] + [nxt], emitted=True)
         if trace is not None and draft and not free:

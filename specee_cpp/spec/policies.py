@@ -43,10 +43,12 @@ class DraftPolicy:
         return True
 
     def update(self, n_drafted: int, n_accept: int, top1: list[float],
-               entropy: list[float], seconds: float = 0.0, tried: bool = False) -> None:
-        """After a round (``n_drafted`` 0: a plain step) that took ``seconds``; ``tried``:
-        the draft model ran this round (a round whose drafts were all dropped by keep() is
-        a plain step that paid for a draft token)."""
+               entropy: list[float], seconds: float = 0.0, tried: bool = False,
+               catch_up: float = 0.0) -> None:
+        """After a round (``n_drafted`` 0: a plain step) that took ``seconds``, of which
+        ``catch_up`` went to bringing the draft up to date; ``tried``: the draft model ran
+        this round (a round whose drafts were all dropped by keep() is a plain step that
+        paid for a draft token)."""
 
     def at_context(self, n_tokens: int) -> None:
         """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
@@ -101,7 +103,8 @@ class HFHeuristic(DraftPolicy):
     def plan(self) -> int:
         return self.n
 
-    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False) -> None:
+    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
+               catch_up=0.0) -> None:
         if n_drafted:
             self.n = min(self.n + 2, self.n_max) if n_accept == n_drafted else max(1, self.n - 1)
 
@@ -114,7 +117,14 @@ class Guard:
     ``window`` drafted rounds average slower than plain, it sends the policy to plain
     decoding for ``backoff`` steps, then lets ``window`` drafted rounds probe again, doubling
     the wait while probes keep losing. A single unlucky round (one token accepted of eight)
-    is slower than plain on any machine, hence averages over several rounds."""
+    is slower than plain on any machine, hence averages over several rounds.
+
+    A round's time includes the draft's catch-up on what was emitted since it last ran (the
+    tokens of free drafts from the context, plain steps chosen by the policy): a real cost
+    of drafting with the model in between, large in copy-heavy work at long contexts. Only
+    the first drafted round after a wait is judged without it: that catch-up is the wait's
+    own length (or the whole prompt, when a generation started waiting), not a cost the
+    rounds to come will pay."""
 
     def __init__(self, plain_tps_prior: float, window: int = 4, first_backoff: int = 16,
                  max_backoff: int = 512):
@@ -125,6 +135,7 @@ class Guard:
         self.drafted: float | None = None
         self.n_judged = 0            # drafted rounds since the last verdict
         self.backoff, self.wait = first_backoff, 0
+        self.waited = False          # a wait ran since the last drafted round
 
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.alpha * (x - old)
@@ -135,14 +146,18 @@ class Guard:
     def gate(self, want: int) -> int:
         if self.wait > 0:
             self.wait -= 1
+            self.waited = True
             return 0
         return want
 
-    def observe(self, n_drafted: int, tokens: int, seconds: float) -> None:
-        tps = tokens / seconds
+    def observe(self, n_drafted: int, tokens: int, seconds: float,
+                catch_up: float = 0.0) -> None:
         if not n_drafted:
-            self.plain = self._ema(self.plain, tps)
+            self.plain = self._ema(self.plain, tokens / seconds)
             return
+        if self.waited:
+            seconds, self.waited = max(seconds - catch_up, 1e-9), False
+        tps = tokens / seconds
         # after a wait, the probe is judged on its own rounds, not the ones that lost before
         self.drafted = tps if self.n_judged == 0 else self._ema(self.drafted, tps)
         self.n_judged += 1
@@ -168,11 +183,12 @@ class _RoundModelPolicy(DraftPolicy):
         self.gammas = np.array(list(gammas))
         self.feats = list(model.prior[:5]) + [bpw]
 
-    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False) -> None:
+    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
+               catch_up=0.0) -> None:
         if n_drafted:
             self.feats = round_stats(top1[:n_drafted], entropy[:n_drafted], n_accept) + [self.bpw]
         if self.guard is not None and seconds > 0:
-            self.guard.observe(n_drafted or tried, n_accept + 1, seconds)
+            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up)
 
 
 class SpecKVObjective(_RoundModelPolicy):
@@ -331,9 +347,10 @@ class CostAwareStop(_TokenRule, _ReadsCosts, DraftPolicy):
         self._start_round()
         return self.guard.gate(self.n_max)
 
-    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False) -> None:
+    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
+               catch_up=0.0) -> None:
         if seconds > 0:
-            self.guard.observe(n_drafted or tried, n_accept + 1, seconds)
+            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up)
 
 
 POLICY_NAMES = ("auto", "stop", "pmin", "hf", "speckv")
