@@ -50,6 +50,30 @@ def test_context_source_drafts_only_where_it_pays():
     assert steep.plan(len(text)) == []
 
 
+def test_short_context_drafts_that_lose_are_held_back():
+    """Where short context drafts keep running slower than plain steps (the copy model
+    promising more than this work gives), their guard holds them back for a while, then
+    lets them probe again."""
+    from specee_cpp.spec.policies import Guard
+
+    text = list(range(20, 40)) * 3 + list(range(20, 25))
+    src = ContextSource(FLAT, guard=Guard(plain_tps_prior=1.0, window=2, first_backoff=4))
+    src.extend(text)
+    for _ in range(4):
+        src.plain_step(1.0)                       # plain decoding: 1 token a second
+    for _ in range(2):
+        d = src.plan(len(text))
+        assert d and not src.in_long_copy()
+        src.update(len(d), 0, seconds=2.0)        # 1 token in 2 s: slower than plain
+    assert [src.plan(len(text)) for _ in range(4)] == [[]] * 4
+    assert src.plan(len(text))                    # the wait is over: a probe
+    free = ContextSource(FLAT)                    # no guard: never held back
+    free.extend(text)
+    for _ in range(6):
+        free.update(len(free.plan(len(text))), 0, seconds=2.0)
+    assert free.plan(len(text))
+
+
 @pytest.mark.model
 def test_spec_with_context_drafts_equals_plain(small_llm):
     """Lossless: free drafts verified by the target give plain's greedy tokens (with

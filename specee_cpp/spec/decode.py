@@ -264,8 +264,10 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         round_s = sum(ph.seconds.values())
         with ph("control"):
             if free:
-                context.update(len(free), n_acc)
+                context.update(len(free), n_acc, round_s)
             else:
+                if context is not None and not draft and g_max == 0:
+                    context.plain_step(round_s)
                 policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
                               round_s, tried=g_max > 0, catch_up=ph.seconds.get("catch_up", 0.0))
             if context is not None:

@@ -222,6 +222,16 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     return policy
 
 
+def context_guard(llm, opts: SpecOptions, costs):
+    """The guard of the context's short drafts (spec/suffix.py), kept like the draft
+    model's (draft_policy) with the loaded pair and these options."""
+    from .cost import as_table
+    from .policies import Guard
+
+    return llm.cached(("spec", "context-guard", opts),
+                      lambda: Guard(1.0 / as_table(costs).points[0].plain))
+
+
 class Spec(Mode):
     name = "spec"
     Options = SpecOptions
@@ -279,7 +289,8 @@ class Spec(Mode):
                 llm.tgt.seq, dft, tokens, policy, sampling,
                 context=ContextSource(costs, history=hist.trie if hist else None,
                                       model=copy, follow_max=follow_max,
-                                      is_eog=llm.model.is_eog)
+                                      is_eog=llm.model.is_eog,
+                                      guard=context_guard(llm, opts, costs))
                 if with_context else None, max_new=max_new, is_eog=llm.model.is_eog)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)
