@@ -130,9 +130,16 @@ def test_auto_cuts_each_round_where_its_tokens_stop_paying(model):
     assert xeon.plan() >= 4
     xeon.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]
     plans = [xeon.plan() for _ in range(xeon.explore_every)]
-    assert plans[:-1] == [0] * (xeon.explore_every - 1) and plans[-1] == 1
-    assert xeon.keep(0, 0.02, 6.0)                  # the explorer keeps its token
-    assert xeon.plan() == 0 and not xeon._exploring
+    assert plans[:-1] == [0] * (xeon.explore_every - 1) and plans[-1] == 8
+    assert xeon.keep(0, 0.02, 6.0)                  # the explorer keeps its first token
+    assert not xeon.more(0)                         # and stops there: it was hopeless
+    xeon.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]
+    for _ in range(xeon.explore_every - 1):
+        xeon.plan()
+    assert xeon.plan() == 8
+    assert xeon.keep(0, 0.99, 0.01) and xeon.more(0)   # a sure draft: drafts on
+    assert xeon.keep(1, 0.99, 0.01)
+    assert not xeon.keep(2, 0.02, 6.0)              # past the first token, the rule holds
 
 
 def test_the_token_rule_pays_in_replay(model):
@@ -340,16 +347,17 @@ def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
 
 
 def test_exploration_refreshes_a_plain_policy(model):
-    """Where drafting can pay but the last round said it would not, a single-token draft is
-    tried after `explore_every` plain steps (seen failing with exploration never firing)."""
+    """Where drafting can pay but the last round said it would not, a drafted round (up to
+    the longest gamma, cut by the per-token rule) is tried after `explore_every` plain steps
+    (seen failing with exploration never firing)."""
     # drafting pays here only at high acceptance (draft 0.3, each verified token +0.3)
     mid = CostModel([1.0 + 0.3 * i for i in range(16)], 0.3)
     pol = policies.CostAwareGamma(model, mid, 4.85, explore_every=16)
     assert not pol.plan_is_plain
     pol.update(8, 0, [0.05] * 8, [7.0] * 8)      # a hopeless round: predicted rates ~ 0
     plans = [pol.plan() for _ in range(40)]
-    assert plans[:15] == [0] * 15 and plans[15] == 1
-    assert plans.count(1) == 2 and set(plans) == {0, 1}
+    assert plans[:15] == [0] * 15 and plans[15] == 8
+    assert plans.count(8) == 2 and set(plans) == {0, 8}
 
 
 def test_stop_rule_stops_drafting_where_the_next_token_cannot_pay(model):

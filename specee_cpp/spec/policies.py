@@ -239,13 +239,15 @@ class _TokenRule:
         self._tokens, self._time, self._p_all = 1.0, self.costs.plain, 1.0
         self._time += self.costs.draft(1)   # the first drafted token is paid for
 
-    def keep(self, i: int, top1: float, entropy: float) -> bool:
+    def keep(self, i: int, top1: float, entropy: float, force: bool = False) -> bool:
+        """Keep drafted token i? ``force``: keep it whatever it promises (the totals that
+        more() reads count it all the same)."""
         v = self.costs.verify
         p = self.model.token_p(top1, entropy, i, self.bpw)
         p_all = self._p_all * p
         dv = v(i + 2) - v(i + 1)
         # the draft cost of token i is spent either way: compare with and without it
-        if (self._tokens + p_all) / (self._time + dv) <= self._tokens / self._time:
+        if not force and (self._tokens + p_all) / (self._time + dv) <= self._tokens / self._time:
             return False
         self._tokens, self._time, self._p_all = self._tokens + p_all, self._time + dv, p_all
         self._p_next = p_all * p   # optimistic: the next token as likely as this one
@@ -273,7 +275,7 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
     and the token rule keeps each drafted round to what its tokens promise.
 
     A plain step teaches nothing about the draft, so after ``explore_every`` plain steps one
-    single-token draft refreshes the statistics, but only where some gamma could beat plain
+    drafted round (its first token kept) refreshes the statistics, but only where some gamma could beat plain
     at all (acceptance 1 at the cost model's prices); with the default pair on a CPU whose
     verification is steep none can at Q4_K_M, so it never drafts and costs nothing. Where
     the models promise a gain, a :class:`Guard` checks it against the speeds actually
@@ -315,17 +317,22 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
             self.n_plain += 1
             if self.n_plain < self.explore_every:
                 return 0
+            # explore: a round as the token rule drafts it, its first token kept whatever
+            # it promises. A forced single token taught the round model one token's
+            # statistics, often an unsure one, which kept it predicting a loss: HumanEval on
+            # the AMX Xeon sat at plain for 16 steps at a time where the draft's rounds were
+            # 93% accepted
             self.n_plain = 0
-            g = self.guard.gate(1)
+            g = self.guard.gate(int(self.gammas.max()))
             self._exploring = g > 0
         if g:
             self._start_round()
         return g
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
-        # an exploring single-token round keeps its token whatever it promises: it is there
-        # to refresh the round statistics, which only a drafted token does
-        return self._exploring or super().keep(i, top1, entropy)
+        # an exploring round keeps its first token whatever it promises: it is there to
+        # refresh the round statistics, which only a drafted token does
+        return super().keep(i, top1, entropy, force=self._exploring and i == 0)
 
 
 class CostAwareStop(_TokenRule, _ReadsCosts, DraftPolicy):

@@ -345,6 +345,10 @@ class ContextSource:
         tokens (the caller's limit); empty: plain decoding pays more."""
         costs = self.table.at(n_context)
         self.expected_tps = 1.0 / costs.plain
+        if self.guard is not None:
+            # plain steps slow down as the cache grows; until one is seen at this length the
+            # guard compares short drafts with the table's plain token here, not at 128
+            self.guard.plain_prior = self.expected_tps
         room = self.follow_max if room is None else room
         if room < 1:
             return []
