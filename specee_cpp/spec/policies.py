@@ -275,11 +275,11 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
     and the token rule keeps each drafted round to what its tokens promise.
 
     A plain step teaches nothing about the draft, so after ``explore_every`` plain steps one
-    drafted round (its first token kept) refreshes the statistics, but only where some gamma could beat plain
-    at all (acceptance 1 at the cost model's prices); with the default pair on a CPU whose
-    verification is steep none can at Q4_K_M, so it never drafts and costs nothing. Where
-    the models promise a gain, a :class:`Guard` checks it against the speeds actually
-    reached.
+    drafted round (its first token kept) refreshes the statistics, but only where some gamma
+    could beat plain at all (acceptance 1 at the cost model's prices); with the default pair
+    on a CPU whose verification is steep none can at Q4_K_M, so it never drafts and costs
+    nothing. Where the models promise a gain, a :class:`Guard` checks it against the speeds
+    actually reached.
     """
 
     name = "ours-gamma"
