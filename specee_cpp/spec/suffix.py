@@ -199,9 +199,9 @@ class ContextSource:
         self._band = 0
         self._src = 0
         # what short drafts (not a followed copy) really reach against plain steps
-        # (policies.Guard): where the copy model promises more than this work gives (code
-        # written from a docstring: 11% of HumanEval's context drafts accepted on the AMX
-        # Xeon), it holds them back and probes again later; None: never held back
+        # (policies.Guard, one per generation): where the copy model promises more than this
+        # work gives (code written from a docstring: 11% of HumanEval's context drafts
+        # accepted on the AMX Xeon), it holds them back and probes again later; None: never
         self.guard = guard
         self._short = False
 
