@@ -266,7 +266,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
             if free:
                 context.update(len(free), n_acc, round_s)
             else:
-                if context is not None and not draft and g_max == 0:
+                if context is not None and g_max == 0:   # neither source drafted
                     context.plain_step(round_s)
                 policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
                               round_s, tried=g_max > 0, catch_up=ph.seconds.get("catch_up", 0.0))

@@ -48,7 +48,9 @@ class DraftPolicy:
         """After a round (``n_drafted`` 0: a plain step) that took ``seconds``, of which
         ``catch_up`` went to bringing the draft up to date; ``tried``: the draft model ran
         this round (a round whose drafts were all dropped by keep() is a plain step that
-        paid for a draft token)."""
+        paid for a draft token). A policy with a guard has it judge the round."""
+        if self.guard is not None and seconds > 0:
+            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up)
 
     def at_context(self, n_tokens: int) -> None:
         """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
@@ -187,8 +189,7 @@ class _RoundModelPolicy(DraftPolicy):
                catch_up=0.0) -> None:
         if n_drafted:
             self.feats = round_stats(top1[:n_drafted], entropy[:n_drafted], n_accept) + [self.bpw]
-        if self.guard is not None and seconds > 0:
-            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up)
+        super().update(n_drafted, n_accept, top1, entropy, seconds, tried, catch_up)
 
 
 class SpecKVObjective(_RoundModelPolicy):
@@ -353,11 +354,6 @@ class CostAwareStop(_TokenRule, _ReadsCosts, DraftPolicy):
             return 0
         self._start_round()
         return self.guard.gate(self.n_max)
-
-    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
-               catch_up=0.0) -> None:
-        if seconds > 0:
-            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up)
 
 
 POLICY_NAMES = ("auto", "stop", "pmin", "hf", "speckv")
