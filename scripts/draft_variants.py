@@ -11,6 +11,10 @@ docs/BENCHMARKS.md. A cheaper draft pays only where verification is cheap enough
 table says which side stops drafting on this machine.
 
     python scripts/draft_variants.py --variants Q4_K_M,v32k,v16k,v8k,IQ4_NL,IQ4_NL:v16k
+
+Another machine adds its measurements with ``--merge --tag NAME``: the variants measured
+there replace theirs in the record (each variant keeps where it was measured), the others
+stay, and its records and table are named apart (``docs/bench/draft-*-NAME``).
 """
 from __future__ import annotations
 
@@ -34,6 +38,10 @@ def main() -> int:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the record's variants not measured now (another machine's)")
+    ap.add_argument("--tag", default="",
+                    help="suffix of this run's records and BENCHMARKS.md section (a machine)")
     ap.add_argument("--fresh", action="store_true",
                     help="measure acceptance again (default: reuse docs/bench/draft-*.jsonl "
                          "records of this machine and build)")
@@ -49,6 +57,7 @@ def main() -> int:
 
     shipped = load_registry().get(ns.draft).quant
     rows, where, accepted = [], None, {}
+    suffix = f"-{ns.tag}" if ns.tag else ""
     for qtype in ns.variants.split(","):
         name = ns.draft if qtype == shipped else f"{ns.draft}:{qtype}"
         print(f"[variants] {name}: costs", file=sys.stderr)
@@ -59,7 +68,7 @@ def main() -> int:
         c = table.points[0]
         v1, where = c.plain, table.machine
         print(f"[variants] {name}: acceptance (spec-{ns.gamma})", file=sys.stderr)
-        out = REPO / "docs" / "bench" / f"draft-{qtype.replace(':', '-')}"
+        out = REPO / "docs" / "bench" / f"draft-{qtype.replace(':', '-')}{suffix}"
         s = run(BenchOptions(model=ns.target, draft=name, configs=f"spec-{ns.gamma}",
                              per_category=ns.per_category, max_tokens=ns.max_tokens,
                              max_prompt_tokens=256, out=str(out), fresh=ns.fresh))
@@ -88,12 +97,36 @@ def main() -> int:
         from specee_cpp.spec.variants import record_path
 
         rec = record_path(file_sha256(resolve_model(ns.draft)))
-        rec.write_text(json.dumps({"draft": ns.draft, "shipped": shipped, "target": ns.target,
-                                   "variants": accepted, "source": cmd,
-                                   "split": "held-out Spec-Bench dev prompts (dev data)",
-                                   "measured_on": describe(where),
-                                   "date": time.strftime("%Y-%m-%d")}, indent=1) + "\n")
-        write_section(REPO / "docs" / "BENCHMARKS.md", "Draft variants for this machine's kernels",
+        data = {"draft": ns.draft, "shipped": shipped, "target": ns.target,
+                "variants": accepted, "source": cmd,
+                "split": "held-out Spec-Bench dev prompts (dev data)",
+                "measured_on": describe(where), "date": time.strftime("%Y-%m-%d")}
+        # acceptance differs by machine (batched arithmetic changes the greedy text), so a
+        # variant is compared with the shipped draft measured in the same run
+        if shipped in accepted and accepted[shipped]["acceptance"]:
+            for v in accepted.values():
+                v["relative_to_shipped"] = round(v["acceptance"]
+                                                 / accepted[shipped]["acceptance"], 4)
+        if ns.merge and rec.is_file():
+            # each variant says where it was measured: this run's, and the earlier ones
+            # under the record's own provenance
+            old = json.loads(rec.read_text(encoding="utf-8"))
+            here = {"source": cmd, "measured_on": data["measured_on"], "date": data["date"]}
+            there = {k: old[k] for k in ("source", "measured_on", "date") if k in old}
+            old_v = old.get("variants", {})
+            old_ref = old_v.get(shipped, {}).get("acceptance")
+            merged = {q: {**there, **v} for q, v in old_v.items() if q not in accepted}
+            for v in merged.values():
+                if old_ref and "relative_to_shipped" not in v:
+                    v["relative_to_shipped"] = round(v["acceptance"] / old_ref, 4)
+            merged.update({q: {**v, **here} for q, v in accepted.items()})
+            data = {**old, "variants": merged, "source": "per variant",
+                    "measured_on": "per variant", "date": data["date"]}
+        tmp = rec.with_name(rec.name + ".partial")
+        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(rec)
+        heading = "Draft variants for this machine's kernels" + (f" ({ns.tag})" if ns.tag else "")
+        write_section(REPO / "docs" / "BENCHMARKS.md", heading,
                       f"`{cmd}`: each variant made from the shipped "
                       f"{ns.draft} ({shipped}): `TYPE` with llama.cpp's quantizer, `vN` with "
                       f"the LM head cut to the N most frequent tokens (FR-Spec; ranking "
@@ -103,7 +136,7 @@ def main() -> int:
                       f"--configs spec-{ns.gamma} --per-category {ns.per_category} "
                       f"--max-prompt-tokens 256` (held-out dev prompts, {ns.max_tokens} "
                       f"tokens, its own plain in the same run; records "
-                      f"`docs/bench/draft-*.json`). Best predicted: the cost model's best "
+                      f"`docs/bench/draft-*{suffix}.json`). Best predicted: the cost model's best "
                       f"gamma at that acceptance. Measured on {describe(where)}; "
                       f"{time.strftime('%Y-%m-%d')}.\n\n{table_md}\n")
     return 0

@@ -1,7 +1,8 @@
 """`--draft NAME:auto`: the draft variant chosen with this machine's costs (spec/variants.py).
 
-Costs are given (the cost model itself is tested in test_cost.py); the variants are real
-files made by llama.cpp's quantizer from SmolLM2."""
+Costs and screening ratios are given in the choice tests (the cost model itself is tested in
+test_cost.py, the screening timer below on real files); the variants are real files made by
+llama.cpp's quantizer from SmolLM2."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ def table(draft: float, verify: list[float]) -> CostTable:
 
 
 FLAT = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4]       # a GPU-like target
-STEEP = [1.0, 1.7, 2.9, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]          # this CPU-like target
+STEEP = [1.0, 2.0, 2.9, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]          # verifying 2 costs 2
 
 
 @pytest.fixture
@@ -37,11 +38,19 @@ def write_record(tmp_path, accept: dict) -> None:
         {"shipped": "Q4_1", "variants": {k: {"acceptance": a} for k, a in accept.items()}}))
 
 
-def fake_costs(monkeypatch, by_name: dict, seen: list):
+def fake_costs(monkeypatch, by_name: dict, seen: list, ratios: dict | None = None):
+    """Full tables by the draft file's type; screening ratios (variant draft token over the
+    shipped one's) by variant, recorded in ``seen`` as ("screen", spec)."""
     def cost_model(llm):
         seen.append(llm.draft_path.name)
         return by_name[llm.draft_path.name.split(".")[-2]]
+
+    def draft_ratios(llm, paths):
+        seen.extend(("screen", spec) for spec in paths)
+        assert all(p.is_file() for p in paths.values())   # made before they are timed
+        return {spec: (ratios or {})[spec] for spec in paths}
     monkeypatch.setattr(spec_mode, "cost_model", cost_model)
+    monkeypatch.setattr(variants, "draft_ratios", draft_ratios)
 
 
 def test_auto_starts_from_the_shipped_draft(auto_llm, small_model):
@@ -55,6 +64,7 @@ def test_no_record_keeps_the_shipped_draft(auto_llm, small_model):
 
 def test_steep_verification_makes_and_measures_nothing(auto_llm, small_model, tmp_path,
                                                        monkeypatch):
+    # even at the top work level (0.9 x 0.62 / 0.6) a free draft loses on STEEP
     write_record(tmp_path, {"Q4_1": 0.6, "Q8_0": 0.62})
     seen = []
     fake_costs(monkeypatch, {"Q4_1": table(0.5, STEEP)}, seen)
@@ -67,14 +77,57 @@ def test_flat_verification_picks_the_fastest_predicted_variant(auto_llm, small_m
                                                                tmp_path, monkeypatch):
     write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.7})
     seen = []
-    # the Q8_0 variant drafts at a fifth of the shipped one's cost, same acceptance
-    fake_costs(monkeypatch, {"Q4_1": table(0.5, FLAT), "Q8_0": table(0.1, FLAT)}, seen)
+    # the Q8_0 variant drafts at a fifth of the shipped one's cost, same acceptance: it is
+    # screened (not given a full table), and only the winner's own table is measured
+    fake_costs(monkeypatch, {"Q4_1": table(0.5, FLAT), "Q8_0": table(0.1, FLAT)}, seen,
+               ratios={"Q8_0": 0.2})
     note = spec_mode.choose_variant(auto_llm)
+    assert seen == [small_model.name, ("screen", "Q8_0")]
     assert auto_llm.draft_path.name.endswith(".Q8_0.gguf") and auto_llm.draft_path.is_file()
-    assert "smollm2-135m:Q8_0, predicted" in note
+    assert "smollm2-135m:Q8_0: a draft token 0.20x the shipped one's" in note
     # chosen once per LLM: asking again neither measures nor moves
     n = len(seen)
     assert spec_mode.choose_variant(auto_llm) == note and len(seen) == n
     # and the chosen draft is what a speculative run loads and drafts with
     out = auto_llm.generate("The capital of France is", max_tokens=8, mode="spec", gamma=2)
     assert auto_llm.dft.model.path == auto_llm.draft_path and out.stats.n_drafted > 0
+
+
+def test_a_cheaper_draft_that_loses_acceptance_can_lose(auto_llm, small_model, tmp_path,
+                                                        monkeypatch):
+    """Cheaper by a third but accepting 40% less: the shipped draft stays."""
+    write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.42})
+    seen = []
+    fake_costs(monkeypatch, {"Q4_1": table(0.3, FLAT)}, seen, ratios={"Q8_0": 0.66})
+    note = spec_mode.choose_variant(auto_llm)
+    assert auto_llm.draft_path == small_model and "smollm2-135m:Q4_1:" in note
+
+
+def test_workload_score_prefers_cheaper_drafts_where_acceptance_is_high():
+    """On a CPU-like target where an average prompt's acceptance lets nothing pay, a cheaper
+    draft still wins at code-like acceptance: the score spans the work levels."""
+    steepish = [1.0, 1.6, 1.75, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4]
+    dear, cheap = table(0.43, steepish), variants.scaled_draft(table(0.43, steepish), 0.55)
+    assert variants.predicted_speedup(dear, 0.6)[0] == variants.predicted_speedup(cheap, 0.6)[0]
+    assert variants.workload_score(cheap, 1.0) > variants.workload_score(dear, 1.0) > 1.0
+
+
+def test_draft_ratios_times_real_variants_once(small_model, tmp_path, monkeypatch):
+    """The screen times a real requantized variant against the loaded draft and caches the
+    ratio per machine: a second LLM reads it without loading the variant."""
+    from specee_cpp.engine.llm import resolve
+
+    q8 = resolve("smollm2-135m:Q8_0")                  # the session's model cache
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path / "home"))   # costs of its own
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as llm:
+        r = variants.draft_ratios(llm, {"Q8_0": q8})
+    assert 0.2 < r["Q8_0"] < 5.0
+    cached = list((tmp_path / "home" / "costs").glob("screen-*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text()) == {q8.name: r["Q8_0"]}
+
+    def no_load(*a, **k):
+        raise AssertionError("screened again")
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as llm:
+        monkeypatch.setattr("specee_cpp.engine.llm._Loaded", no_load)
+        assert variants.draft_ratios(llm, {"Q8_0": q8}) == r
+        assert not llm.draft_loaded
