@@ -60,8 +60,9 @@ def _default_pair(model: str | None, draft: str | None) -> tuple[str, str | None
     """No model named: the registry's default pair (a draft given still wins)."""
     if model is not None:
         return model, draft
-    target, dft = load_registry().pair("default")
-    return target.name, draft or dft.name
+    reg = load_registry()
+    target, _ = reg.pair("default")
+    return target.name, draft or reg.draft_ref("default")
 
 
 def _load(model: str, draft: str | None, config: LoadConfig):

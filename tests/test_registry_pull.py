@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -19,8 +20,19 @@ def test_registry_default_pair():
     target, draft = reg.pair("default")
     assert (target.role, draft.role) == ("target", "draft")
     assert target.arch == draft.arch == "qwen2"
+    # the draft is the variant this machine's costs favour, of a registered model
+    assert reg.draft_ref("default") == f"{draft.name}:auto"
     for e in reg.models.values():
         assert len(e.sha256) == 64 and e.size > 0 and e.sources
+
+
+def test_a_pair_must_name_registered_models(tmp_path):
+    bad = tmp_path / "models.toml"
+    text = (Path(__file__).resolve().parent.parent / "models.toml").read_text()
+    bad.write_text(text.replace('draft = "qwen2.5-coder-0.5b:auto"',
+                                'draft = "no-such-draft:auto"'))
+    with pytest.raises(RegistryError, match="no-such-draft"):
+        load_registry(bad)
 
 
 def test_unknown_name_lists_names():

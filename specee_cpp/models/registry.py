@@ -59,7 +59,9 @@ class ModelEntry:
 @dataclass(frozen=True)
 class Registry:
     models: dict[str, ModelEntry]
-    pairs: dict[str, tuple[str, str]]  # pair name -> (target, draft)
+    # pair name -> (target, draft); the draft may name a variant of a registry model
+    # (``NAME:auto``: the one this machine's costs favour, chosen by a speculative mode)
+    pairs: dict[str, tuple[str, str]]
 
     def get(self, name: str) -> ModelEntry:
         try:
@@ -73,7 +75,12 @@ class Registry:
         if name not in self.pairs:
             raise RegistryError(f"unknown pair {name!r}; pairs: {', '.join(sorted(self.pairs))}")
         target, draft = self.pairs[name]
-        return self.get(target), self.get(draft)
+        return self.get(target), self.get(draft.split(":")[0])
+
+    def draft_ref(self, name: str = "default") -> str:
+        """The pair's draft as it is written: a registry name or ``NAME:VARIANT``."""
+        self.pair(name)
+        return self.pairs[name][1]
 
 
 def _parse(data: dict, origin: str) -> Registry:
@@ -88,7 +95,7 @@ def _parse(data: dict, origin: str) -> Registry:
         raise RegistryError(f"malformed registry {origin}: {e}") from None
     reg = Registry(models=models, pairs=pairs)
     for target, draft in pairs.values():
-        reg.get(target), reg.get(draft)  # a pair must name registered models
+        reg.get(target), reg.get(draft.split(":")[0])  # a pair names registered models
     return reg
 
 
