@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specee_cpp.config import MAX_GAMMA, MAX_VERIFY, LoadConfig
+from specee_cpp.config import LoadConfig
 from specee_cpp.spec import acceptance, policies, simulate
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.errors import SpeceeError
@@ -140,39 +140,6 @@ def test_auto_cuts_each_round_where_its_tokens_stop_paying(model):
     assert xeon.keep(0, 0.99, 0.01) and xeon.more(0)   # a sure draft: drafts on
     assert xeon.keep(1, 0.99, 0.01)
     assert not xeon.keep(2, 0.02, 6.0)              # past the first token, the rule holds
-
-
-def test_a_sure_round_at_the_longest_gamma_drafts_on_while_its_tokens_pay():
-    """Where the round model's best is its longest gamma, the token rule may go on to the
-    cost table's largest batch; elsewhere the round model's gamma caps the round."""
-    cheap = CostModel(list(XEON.target_batch_s), 0.24 * 0.084)   # the Q4_0 draft
-    auto = policies.CostAwareGamma(LastRate(), cheap, 4.85)
-    auto.feats = [0.05, 0.1, 0.99, 0.97, 0.98, 4.85]
-    g = auto.plan()
-    assert g == MAX_VERIFY - 1 > MAX_GAMMA
-    kept = 0
-    while kept < g and auto.keep(kept, 0.99, 0.02):
-        kept += 1
-        if not auto.more(kept - 1):
-            break
-    assert kept > MAX_GAMMA                    # sure tokens: past the round model's 8
-    auto.feats = [0.05, 0.1, 0.99, 0.97, 0.98, 4.85]
-    assert auto.plan() == g and auto.keep(0, 0.99, 0.02) and auto.more(0)
-    assert not auto.keep(1, 0.05, 5.0)         # an unsure one still ends it
-    # a round model whose best gamma is shorter keeps its cap
-    short = policies.CostAwareGamma(LastRate(), cheap, 4.85, gammas=range(1, 5))
-    short.feats = [0.05, 0.1, 0.99, 0.97, 0.98, 4.85]
-    assert short.plan() == MAX_VERIFY - 1      # 4 is its longest: it may go on too
-
-
-    class Geometric(LastRate):
-        """Each token accepted with probability 0.8 if the ones before were."""
-        def rates(self, feats, gammas):
-            g = np.asarray(gammas, dtype=float)
-            return (0.8 - 0.8 ** (g + 1)) / (0.2 * g)
-
-    mid = policies.CostAwareGamma(Geometric(), cheap, 4.85)
-    assert 1 < mid.plan() < MAX_GAMMA          # an interior best keeps its cap
 
 
 def test_the_token_rule_pays_in_replay(model):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import MAX_GAMMA, MAX_VERIFY
+from ..config import MAX_GAMMA
 from ..errors import SpeceeError
 from .acceptance import AcceptanceModel, round_stats
 from .cost import CostModel, CostTable, as_table
@@ -286,15 +286,9 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
     name = "ours-gamma"
 
     def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
-                 gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16,
-                 n_long: int = MAX_VERIFY - 1):
+                 gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16):
         super().__init__(model, bpw, gammas)
         self.explore_every = explore_every
-        # where the round model's best is its longest gamma, the token rule may draft on up
-        # to n_long (the cost table's largest batch): the round model was fitted on rounds of
-        # at most MAX_GAMMA, and with a cheap draft a sure run of code goes past it (HumanEval
-        # with the Q4_0 draft on the AMX Xeon: 17 of 52 drafted rounds were 8 of 8 accepted)
-        self.n_long = max(n_long, int(self.gammas.max()))
         self.n_plain = 0
         self._use_costs(costs, int(self.gammas.max()))
 
@@ -319,8 +313,7 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         best = int(np.argmax(tps))
         if tps[best] > self.plain_tps:
             self.n_plain = 0
-            g = int(self.gammas[best])
-            g = self.guard.gate(self.n_long if g == self.gammas.max() else g)
+            g = self.guard.gate(int(self.gammas[best]))
         else:
             self.n_plain += 1
             if self.n_plain < self.explore_every:
