@@ -1,15 +1,17 @@
 """Which variant of the draft this machine should run (``--draft NAME:auto``).
 
-A draft made cheaper for the kernels at hand (requantized: ``NAME:IQ4_NL``; a reduced
-vocabulary head: ``NAME:v16k``; both) keeps nearly all of its acceptance, but what it saves
+A draft made cheaper for the kernels at hand (requantized: ``NAME:Q4_0``, whose matrices
+all take llama.cpp's AMX kernels where the shipped Q4_K_M's Q5_0 rows do not; a reduced
+vocabulary head: ``NAME:v16k``; both) keeps most of its acceptance, but what it saves
 depends on the machine: this chooses with the machine's own costs. The acceptance of each
-variant is a property of the models, measured once on dev prompts by
-``scripts/draft_variants.py`` and shipped beside the draft's controller
-(``bundles/<draft>.variants.json``); the cost of each is this machine's, measured by the cost
-model (cached per machine like every cost table). The variant with the highest predicted
-speed over plain wins; where even a free draft at the best recorded acceptance cannot beat
-plain decoding (verification alone too dear), nothing is made or measured and the draft stays
-as shipped, since a cost-aware run will not draft anyway.
+variant relative to the shipped draft is a property of the models, measured on dev prompts
+by ``scripts/draft_variants.py`` and shipped beside the draft's controller
+(``bundles/<draft>.variants.json``); the cost of each is this machine's: the shipped draft's
+full cost table, and for each variant its draft token timed against the shipped one's
+(cached per machine like every cost table). The variant with the highest predicted speed
+over plain across a spread of acceptances wins; where even a free draft at the best of them
+cannot beat plain decoding (verification alone too dear), nothing is made or measured and
+the draft stays as shipped, since a cost-aware run will not draft anyway.
 """
 from __future__ import annotations
 
@@ -131,9 +133,9 @@ SCREEN_REPEATS = 5
 
 
 def draft_ratios(llm, paths: dict[str, Path]) -> dict[str, float]:
-    """Per variant: seconds of its draft decode over the loaded draft's, each sample timed
-    right after one of the loaded draft's (so a neighbour slowing the machine slows both);
-    the median of the pairs. Cached per machine with the cost tables."""
+    """Per variant: seconds of its draft decodes over the loaded draft's, each sample paired
+    with one of the loaded draft's timed right after it (a neighbour slowing the machine
+    slows both); the median of the pairs. Cached per machine with the cost tables."""
     import numpy as np
 
     from ..engine.llm import _Loaded
