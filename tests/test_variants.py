@@ -84,7 +84,7 @@ def test_flat_verification_picks_the_fastest_predicted_variant(auto_llm, small_m
     note = spec_mode.choose_variant(auto_llm)
     assert seen == [small_model.name, ("screen", "Q8_0")]
     assert auto_llm.draft_path.name.endswith(".Q8_0.gguf") and auto_llm.draft_path.is_file()
-    assert "smollm2-135m:Q8_0: a draft token 0.20x the shipped one's" in note
+    assert "smollm2-135m:Q8_0 for this machine (draft token 0.20x, acceptance 1.00x" in note
     # chosen once per LLM: asking again neither measures nor moves
     n = len(seen)
     assert spec_mode.choose_variant(auto_llm) == note and len(seen) == n
@@ -100,7 +100,7 @@ def test_a_cheaper_draft_that_loses_acceptance_can_lose(auto_llm, small_model, t
     seen = []
     fake_costs(monkeypatch, {"Q4_1": table(0.3, FLAT)}, seen, ratios={"Q8_0": 0.66})
     note = spec_mode.choose_variant(auto_llm)
-    assert auto_llm.draft_path == small_model and "smollm2-135m:Q4_1:" in note
+    assert auto_llm.draft_path == small_model and "smollm2-135m:Q4_1 for this machine" in note
 
 
 def test_workload_score_prefers_cheaper_drafts_where_acceptance_is_high():

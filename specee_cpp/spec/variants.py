@@ -120,11 +120,9 @@ def choose(llm, base_name: str, status) -> str:
         scores[spec] = workload_score(scaled_draft(shipped, ratios[spec]), rel[spec])
     spec = max(scores, key=lambda k: (scores[k], k == shipped_spec))
     set_draft(llm, path_of(spec))
-    return (f"draft {base_name}:{spec}: a draft token {ratios[spec]:.2f}x the shipped one's "
-            f"at {rel[spec]:.2f}x its acceptance; predicted {scores[spec]:.2f}x plain over "
-            f"acceptances {WORK_LEVELS[0]}-{WORK_LEVELS[-1]} on this machine's costs (shipped "
-            f"{scores[shipped_spec]:.2f}x; {len(ratios) - 1} of "
-            f"{len(variants) - (shipped_spec in variants)} other variants timed)")
+    return (f"{base_name}:{spec} for this machine (draft token {ratios[spec]:.2f}x, acceptance "
+            f"{rel[spec]:.2f}x the shipped draft's; predicted {scores[spec]:.2f}x plain, "
+            f"shipped {scores[shipped_spec]:.2f}x)")
 
 
 SCREEN_CONTEXT = 128   # tokens cached before the timed decodes (the cost table's first)
