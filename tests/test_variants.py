@@ -103,6 +103,19 @@ def test_a_cheaper_draft_that_loses_acceptance_can_lose(auto_llm, small_model, t
     assert auto_llm.draft_path == small_model and "smollm2-135m:Q4_1 for this machine" in note
 
 
+def test_a_variant_that_cannot_be_made_is_left_out(auto_llm, small_model, tmp_path,
+                                                    monkeypatch):
+    """A recorded variant this build cannot make (here a type llama.cpp does not have) is
+    skipped with its reason in the note; the others still compete."""
+    write_record(tmp_path, {"Q4_1": 0.7, "Q9_9": 0.75, "Q8_0": 0.7})
+    seen = []
+    fake_costs(monkeypatch, {"Q4_1": table(0.5, FLAT)}, seen, ratios={"Q8_0": 0.2})
+    note = spec_mode.choose_variant(auto_llm)
+    assert auto_llm.draft_path.name.endswith(".Q8_0.gguf")
+    assert "not tried: Q9_9: unknown quantization type" in note
+    assert ("screen", "Q9_9") not in seen
+
+
 def test_workload_score_prefers_cheaper_drafts_where_acceptance_is_high():
     """On a CPU-like target where an average prompt's acceptance lets nothing pay, a cheaper
     draft still wins at code-like acceptance: the score spans the work levels."""

@@ -110,19 +110,28 @@ def choose(llm, base_name: str, status) -> str:
     # draft is neither made nor timed (a low-acceptance head cut on a CPU, say)
     ratios = {shipped_spec: 1.0}
     scores = {shipped_spec: workload_score(shipped, rel[shipped_spec])}
+    failed = []
     for spec in sorted(variants, key=lambda k: -rel[k]):
         if spec in ratios or workload_score(free, rel[spec]) <= max(scores.values()):
             continue
-        with status(f"making draft variant {base_name}:{spec} (once)"):
-            path = path_of(spec)
-        with status(f"timing draft variant {base_name}:{spec} against the shipped one (once)"):
-            ratios[spec] = draft_ratios(llm, {spec: path})[spec]
+        try:
+            with status(f"making draft variant {base_name}:{spec} (once)"):
+                path = path_of(spec)
+            with status(f"timing draft variant {base_name}:{spec} against the shipped one "
+                        f"(once)"):
+                ratios[spec] = draft_ratios(llm, {spec: path})[spec]
+        except (SpeceeError, OSError) as e:
+            # an optional candidate (a type this build cannot make, a full disk): the
+            # others still compete, and the note says what was left out
+            failed.append(f"{spec}: {e}")
+            continue
         scores[spec] = workload_score(scaled_draft(shipped, ratios[spec]), rel[spec])
     spec = max(scores, key=lambda k: (scores[k], k == shipped_spec))
     set_draft(llm, path_of(spec))
     return (f"{base_name}:{spec} for this machine (draft token {ratios[spec]:.2f}x, acceptance "
             f"{rel[spec]:.2f}x the shipped draft's; predicted {scores[spec]:.2f}x plain, "
-            f"shipped {scores[shipped_spec]:.2f}x)")
+            f"shipped {scores[shipped_spec]:.2f}x)"
+            + (f"; not tried: {'; '.join(failed)}" if failed else ""))
 
 
 SCREEN_CONTEXT = 128   # tokens cached before the timed decodes (the cost table's first)
