@@ -397,6 +397,17 @@ def test_best_peer_line_leaves_out_plain_references():
     assert "best peer: `lcpp-lookup` 0.900x" in line and "reference `lcpp-plain` 1.050x" in line
 
 
+def test_length_note_says_where_configurations_generated_other_text():
+    def e(n_gen):
+        return {"n_gen": n_gen}
+
+    note = report.length_note({"plain": e(1106), "spec-auto": e(1106),
+                               "lcpp-plain": e(2389), "lcpp-draft-8-p75": e(2457)})
+    assert "`plain` 1106, `lcpp-plain` 2389, `lcpp-draft-8-p75` 2457" in note
+    assert "spec-auto" not in note
+    assert report.length_note({"plain": e(1152), "lcpp-plain": e(1150)}) == ""
+
+
 def test_load_records_drops_only_a_torn_last_line(tmp_path):
     from specee_cpp.bench.runner import load_records
 

@@ -134,7 +134,7 @@ def markdown(summary: dict, command: str, settings: str) -> str:
                      + " | ".join(_f(cfgs[n]["categories"][cat]["speedup"], ".3f")
                                   for n in others) + " |")
     legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
-    verdict = best_lines(cfgs)
+    verdict = best_lines(cfgs) + length_note(cfgs)
     reps = summary.get("repeats", 1)
     times = f", each measured {reps} times (all measurements pooled)" if reps > 1 else ""
     return (f"`{command}`\n\n{settings} {summary['prompts']} prompts{times}; "
@@ -163,6 +163,23 @@ def best_lines(cfgs: dict) -> str:
         parts.append(f"best peer: `{peer}` {cfgs[peer]['speedup']:.3f}x")
     parts += [f"reference `{n}` {cfgs[n]['speedup']:.3f}x" for n in refs]
     return ("Speed-up vs plain, " + "; ".join(parts) + ".") if parts else ""
+
+
+def length_note(cfgs: dict, tolerance: float = 0.1) -> str:
+    """A sentence where configurations generated other amounts of text than plain (more than
+    ``tolerance`` apart): the llama.cpp tools run without the prompts' stop strings, to the
+    token limit (HumanEval: 2389 tokens for 24 tasks against our 1106), so their tok/s is
+    over other text and the fair reading is each side against its own plain."""
+    if "plain" not in cfgs or not cfgs["plain"].get("n_gen"):
+        return ""
+    base = cfgs["plain"]["n_gen"]
+    off = [n for n, e in cfgs.items() if abs(e.get("n_gen", base) - base) > tolerance * base]
+    if not off:
+        return ""
+    return (f" Tokens generated: `plain` {base}, "
+            + ", ".join(f"`{n}` {cfgs[n]['n_gen']}" for n in off)
+            + " (the llama.cpp tools run without the prompts' stop strings, to the token "
+              "limit): their tok/s is over other text; compare each with its own plain.")
 
 
 def write_json(path: Path, command: str, settings: dict, summary: dict,
