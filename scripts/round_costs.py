@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Real speculative rounds against the cost table: where `--mode spec` loses time.
+
+Runs `--mode spec --gamma auto` (greedy) on Spec-Bench dev prompts and groups its rounds by
+source (the draft model, the context) and draft length: per group, the median verification
+time over the median plain step of the same run, beside what this machine's cost table says
+(`CostModel.verify(n + 1)` at that context), the draft's time, and the acceptance. A table
+that matches reality while a group's acceptance stays low says the loss is in what was
+drafted, not in what rounds cost.
+
+    python scripts/round_costs.py --draft qwen2.5-coder-0.5b:Q4_0 \\
+        --ids 161,174,187,2,28,122,54,67
+"""
+from __future__ import annotations
+
+import argparse
+import statistics as st
+import sys
+from collections import defaultdict
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b:auto")
+    ap.add_argument("--ids", default="161,174,187,2,28,122,54,67",
+                    help="line numbers of the dev prompt file (spec_bench_dev:N)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ns = ap.parse_args()
+
+    from specee_cpp.bench.prompts import DEV_PROMPTS, load_spec_bench
+    from specee_cpp.bench.suite import shorten
+    from specee_cpp.engine.llm import load
+    from specee_cpp.spec.mode import cost_model
+
+    with load(ns.target, draft=ns.draft) as llm:
+        by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
+        plain, rounds, table = [], defaultdict(list), None
+        for i in ns.ids.split(","):
+            p = shorten(by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"], llm.model,
+                        ns.max_prompt_tokens)
+            llm.reset()
+            for s in llm.stream(p.text, max_tokens=ns.max_tokens, mode="spec", gamma="auto"):
+                if table is None:
+                    table = cost_model(llm)   # the chosen draft's (NAME:auto picks first)
+                if not s.timings or "prefill" in s.timings:
+                    continue
+                if not s.n_drafted:
+                    plain.append(s.timings.get("decode", 0.0))
+                    continue
+                c = table.at(len(llm.tgt.seq.tokens))
+                rounds[(s.source, s.n_drafted)].append(
+                    (s.timings.get("verify", 0.0), c.verify(s.n_drafted + 1) / c.plain,
+                     s.timings.get("draft", 0.0), s.n_accept))
+    if not plain or table is None:
+        print("no plain steps to compare with", file=sys.stderr)
+        return 1
+    pm = st.median(plain)
+    print(f"{len(plain)} plain steps, median {pm * 1e3:.1f} ms (table: "
+          f"{table.points[0].plain * 1e3:.1f} ms at {table.points[0].context} tokens)")
+    print("| source | drafted | rounds | verify / plain (real) | (table) | draft / plain | "
+          "acceptance |")
+    print("|---|---|---|---|---|---|---|")
+    for (src, n), v in sorted(rounds.items()):
+        print(f"| {src} | {n} | {len(v)} | {st.median(x[0] for x in v) / pm:.2f} | "
+              f"{st.median(x[1] for x in v):.2f} | {st.median(x[2] for x in v) / pm:.2f} | "
+              f"{sum(x[3] for x in v) / (len(v) * n):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
