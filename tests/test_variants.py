@@ -45,12 +45,13 @@ def fake_costs(monkeypatch, by_name: dict, seen: list, ratios: dict | None = Non
         seen.append(llm.draft_path.name)
         return by_name[llm.draft_path.name.split(".")[-2]]
 
-    def draft_ratios(llm, paths):
-        seen.extend(("screen", spec) for spec in paths)
-        assert all(p.is_file() for p in paths.values())   # made before they are timed
-        return {spec: (ratios or {})[spec] for spec in paths}
+    def draft_ratio(llm, path):
+        spec = path.name.split(".")[-2]
+        seen.append(("screen", spec))
+        assert path.is_file()   # made before it is timed
+        return (ratios or {})[spec]
     monkeypatch.setattr(spec_mode, "cost_model", cost_model)
-    monkeypatch.setattr(variants, "draft_ratios", draft_ratios)
+    monkeypatch.setattr(variants, "draft_ratio", draft_ratio)
 
 
 def test_auto_starts_from_the_shipped_draft(auto_llm, small_model):
@@ -125,7 +126,7 @@ def test_workload_score_prefers_cheaper_drafts_where_acceptance_is_high():
     assert variants.workload_score(cheap, 1.0) > variants.workload_score(dear, 1.0) > 1.0
 
 
-def test_draft_ratios_times_real_variants_once(small_model, tmp_path, monkeypatch):
+def test_draft_ratio_times_a_real_variant_once(small_model, tmp_path, monkeypatch):
     """The screen times a real requantized variant against the loaded draft and caches the
     ratio per machine: a second LLM reads it without loading the variant."""
     from specee_cpp.engine.llm import resolve
@@ -133,14 +134,14 @@ def test_draft_ratios_times_real_variants_once(small_model, tmp_path, monkeypatc
     q8 = resolve("smollm2-135m:Q8_0")                  # the session's model cache
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path / "home"))   # costs of its own
     with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as llm:
-        r = variants.draft_ratios(llm, {"Q8_0": q8})
-    assert 0.2 < r["Q8_0"] < 5.0
+        r = variants.draft_ratio(llm, q8)
+    assert 0.2 < r < 5.0
     cached = list((tmp_path / "home" / "costs").glob("screen-*.json"))
-    assert len(cached) == 1 and json.loads(cached[0].read_text()) == {q8.name: r["Q8_0"]}
+    assert len(cached) == 1 and json.loads(cached[0].read_text()) == {q8.name: r}
 
     def no_load(*a, **k):
         raise AssertionError("screened again")
     with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as llm:
         monkeypatch.setattr("specee_cpp.engine.llm._Loaded", no_load)
-        assert variants.draft_ratios(llm, {"Q8_0": q8}) == r
+        assert variants.draft_ratio(llm, q8) == r
         assert not llm.draft_loaded

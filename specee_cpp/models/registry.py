@@ -75,12 +75,17 @@ class Registry:
         if name not in self.pairs:
             raise RegistryError(f"unknown pair {name!r}; pairs: {', '.join(sorted(self.pairs))}")
         target, draft = self.pairs[name]
-        return self.get(target), self.get(draft.split(":")[0])
+        return self.get(target), self.get(_base(draft))
 
     def draft_ref(self, name: str = "default") -> str:
         """The pair's draft as it is written: a registry name or ``NAME:VARIANT``."""
         self.pair(name)
         return self.pairs[name][1]
+
+
+def _base(ref: str) -> str:
+    """The registry model a pair's draft names (``NAME`` of ``NAME:VARIANT``)."""
+    return ref.split(":")[0]
 
 
 def _parse(data: dict, origin: str) -> Registry:
@@ -95,7 +100,7 @@ def _parse(data: dict, origin: str) -> Registry:
         raise RegistryError(f"malformed registry {origin}: {e}") from None
     reg = Registry(models=models, pairs=pairs)
     for target, draft in pairs.values():
-        reg.get(target), reg.get(draft.split(":")[0])  # a pair names registered models
+        reg.get(target), reg.get(_base(draft))  # a pair names registered models
     return reg
 
 

@@ -173,6 +173,10 @@ def load_or_measure(key: str, measure) -> CostTable:
     return table
 
 
+# the prompt whose tokens, repeated, fill the caches of a cost measurement (and of a draft
+# variant's screen, spec/variants.py, whose ratios scale this table's draft costs)
+COST_PROMPT = "Write a function that parses a date and explain it."
+
 MEASURE_VERSION = 8   # part of the cache key: a changed method measures again (7: long
 # batches; 8: each sample against a plain token timed just before it)
 # contexts the costs are measured at: a short chat turn and a long one (a 1k-token cache

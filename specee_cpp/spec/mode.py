@@ -86,14 +86,14 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..provenance import machine, machine_id
-        from .cost import MEASURE_VERSION, load_or_measure, measure_table
+        from .cost import COST_PROMPT, MEASURE_VERSION, load_or_measure, measure_table
 
         # the machine (CPU features, build, threads, AMX switch) is part of the key: a
         # cache copied to another machine, or a rebuilt library, measures again
         where = machine(llm.config.threads)
         key = (f"{llm.model.sha256[:12]}-{draft_sha256(llm)[:12]}"
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
-        prompt = llm.prompt_tokens("Write a function that parses a date and explain it.")
+        prompt = llm.prompt_tokens(COST_PROMPT)
         return load_or_measure(
             key, lambda: replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt,
                                                progress=progress), machine=where))

@@ -77,7 +77,7 @@ def choose(llm, base_name: str, status) -> str:
 
     The shipped draft's full cost table is measured (once per machine, cached); each other
     variant is only screened: its draft token timed against the shipped one's, interleaved
-    (``draft_ratios``, seconds a variant, cached), since verification is the target's and
+    (``draft_ratio``, seconds a variant, cached), since verification is the target's and
     the same for all. Only the winner gets its own table, when the run reads it."""
     from ..engine.llm import resolve
     from .mode import base_sha256, cost_model
@@ -119,7 +119,7 @@ def choose(llm, base_name: str, status) -> str:
                 path = path_of(spec)
             with status(f"timing draft variant {base_name}:{spec} against the shipped one "
                         f"(once)"):
-                ratios[spec] = draft_ratios(llm, {spec: path})[spec]
+                ratios[spec] = draft_ratio(llm, path)
         except (SpeceeError, OSError) as e:
             # an optional candidate (a type this build cannot make, a full disk): the
             # others still compete, and the note says what was left out
@@ -139,57 +139,54 @@ SCREEN_TOKENS = 8      # draft decodes a sample
 SCREEN_REPEATS = 5
 
 
-def draft_ratios(llm, paths: dict[str, Path]) -> dict[str, float]:
-    """Per variant: seconds of its draft decodes over the loaded draft's, each sample paired
-    with one of the loaded draft's timed right after it (a neighbour slowing the machine
-    slows both); the median of the pairs. Cached per machine with the cost tables."""
+def draft_ratio(llm, path: Path) -> float:
+    """Seconds of the draft variant ``path``'s decodes over the loaded draft's, each sample
+    paired with one of the loaded draft's timed right after it (a neighbour slowing the
+    machine slows both); the median of the pairs. Cached per machine with the cost tables
+    (one file per loaded draft, a ratio per variant file)."""
     import numpy as np
 
     from ..engine.llm import _Loaded
     from ..provenance import machine, machine_id
-    from .cost import MEASURE_VERSION, cache_path
+    from .cost import COST_PROMPT, MEASURE_VERSION, cache_path
     from .mode import draft_sha256
 
-    if not paths:
-        return {}
     where = machine(llm.config.threads)
     key = f"screen-{draft_sha256(llm)[:12]}-m{machine_id(where)}-v{MEASURE_VERSION}"
-    path = cache_path(key)
+    cache = cache_path(key)
     try:
-        cached = json.loads(path.read_text(encoding="utf-8"))
+        cached = json.loads(cache.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         cached = {}
-    todo = {spec: p for spec, p in paths.items()
-            if not isinstance(cached.get(p.name), (int, float))}
-    if todo:
-        ref = llm.dft.seq
-        tokens = llm.prompt_tokens("Write a function that parses a date and explain it.")
-        context = (tokens * (SCREEN_CONTEXT // len(tokens) + 1))[:SCREEN_CONTEXT]
+    if isinstance(cached.get(path.name), (int, float)):
+        return float(cached[path.name])
+    ref = llm.dft.seq
+    tokens = llm.prompt_tokens(COST_PROMPT)
+    context = (tokens * (SCREEN_CONTEXT // len(tokens) + 1))[:SCREEN_CONTEXT]
 
-        def timed(seq) -> float:
-            t0 = time.perf_counter()
-            for t in context[:SCREEN_TOKENS]:
-                seq.decode([t])
-            dt = time.perf_counter() - t0
-            seq.rewind(len(context))
-            return dt
+    def timed(seq) -> float:
+        t0 = time.perf_counter()
+        for t in context[:SCREEN_TOKENS]:
+            seq.decode([t])
+        dt = time.perf_counter() - t0
+        seq.rewind(len(context))
+        return dt
 
-        ref.prefill(context, read=False)
-        timed(ref)                                  # warm-up
-        for spec, p in todo.items():
-            other = _Loaded(p, llm.config)
-            try:
-                other.seq.prefill(context, read=False)
-                timed(other.seq)
-                pairs = [timed(other.seq) / timed(ref) for _ in range(SCREEN_REPEATS)]
-            finally:
-                other.close()
-            cached[p.name] = float(np.median(pairs))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps(cached, indent=1), encoding="utf-8")
-        tmp.replace(path)
-    return {spec: float(cached[p.name]) for spec, p in paths.items()}
+    ref.prefill(context, read=False)
+    timed(ref)                                  # warm-up
+    other = _Loaded(path, llm.config)
+    try:
+        other.seq.prefill(context, read=False)
+        timed(other.seq)
+        pairs = [timed(other.seq) / timed(ref) for _ in range(SCREEN_REPEATS)]
+    finally:
+        other.close()
+    cached[path.name] = float(np.median(pairs))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + ".partial")
+    tmp.write_text(json.dumps(cached, indent=1), encoding="utf-8")
+    tmp.replace(cache)
+    return cached[path.name]
 
 
 def set_draft(llm, path: Path) -> None:
