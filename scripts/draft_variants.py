@@ -51,6 +51,7 @@ def main() -> int:
     from specee_cpp.bench.suite import BenchOptions, run
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
+    from specee_cpp.paths import write_text_atomic
     from specee_cpp.models.registry import load_registry
     from specee_cpp.provenance import describe
     from specee_cpp.spec.mode import cost_model
@@ -122,9 +123,7 @@ def main() -> int:
             merged.update({q: {**v, **here} for q, v in accepted.items()})
             data = {**old, "variants": merged, "source": "per variant",
                     "measured_on": "per variant", "date": data["date"]}
-        tmp = rec.with_name(rec.name + ".partial")
-        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(rec)
+        write_text_atomic(rec, json.dumps(data, indent=1) + "\n")
         heading = "Draft variants for this machine's kernels" + (f" ({ns.tag})" if ns.tag else "")
         write_section(REPO / "docs" / "BENCHMARKS.md", heading,
                       f"`{cmd}`: each variant made from the shipped "

@@ -95,7 +95,8 @@ OptMode = typer.Option(None, "--mode",
                             "given (plain decoding wherever drafting cannot pay), else plain.")
 OptGamma = typer.Option(None, "--gamma",
                         help="spec: auto (default; cost-aware controller, drafts only where it "
-                             "pays), a fixed number of tokens per round, or stop, pmin, hf, speckv.")
+                             "pays), a fixed number of tokens per round, or stop, pmin, hf, "
+                             "speckv.")
 OptContext = typer.Option(None, "--context/--no-context",
                           help="spec, gamma auto/stop: also draft for free from the context "
                                "where that pays (default: on).")
@@ -376,7 +377,8 @@ def calibrate(
                                   help="Use N prompts spread evenly over the file (0: all)."),
     n_tokens: int = typer.Option(48, "--n-tokens", help="Continuation tokens per prompt."),
     min_layer: int = typer.Option(0, "--min-layer", help="First calibrated layer (0: half)."),
-    threshold: float = typer.Option(0.5, "--threshold", help="Exit threshold stored in the bundle."),
+    threshold: float = typer.Option(0.5, "--threshold",
+                                    help="Exit threshold stored in the bundle."),
     curves_only: bool = typer.Option(
         False, "--curves-only",
         help="Keep the bundle's predictors; measure only its exit curves (the quality target's "
@@ -395,7 +397,8 @@ def calibrate(
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, 0)) as llm:
         cands = candidates(llm, provider, cfg.k)
         out = out or bundle_path(llm.model.sha256, provider)
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("calibrating", total=len(texts))
 
@@ -495,7 +498,8 @@ def profile(
     pool = fitting_pool(load_spec_bench(prompts), n_prompts)
     pairs = [(p.category, p.text) for p in by_category(pool, per_category)]
     with LLM(model, draft=draft, config=_load_config(N_CTX, threads, 0)) as llm:
-        with Progress(TextColumn("profiling"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        with Progress(TextColumn("profiling"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("profile", total=len(pairs) * len(gamma_list))
             n = run_profile(llm, pairs, gamma_list, max_tokens, out,
@@ -591,12 +595,26 @@ def costs(
                      + ", ".join(f"{x / v1:.2f}" for x in m.long_batch_s)
                      if m.long_sizes else ""))
         table = Table(title=f"{name}: best draft length by acceptance")
-        for col in ("acceptance", "best gamma", "expected speed vs plain"):
+        for col in ("acceptance", "best gamma", "expected speed vs plain",
+                    "pays with a draft token up to"):
             table.add_column(col)
         for a in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
             g = m.best_gamma(a)
-            table.add_row(f"{a:.2f}", str(g), f"{m.expected_tps(a, g) * v1:.2f}")
+            c = m.paying_draft_cost(a)
+            table.add_row(f"{a:.2f}", str(g), f"{m.expected_tps(a, g) * v1:.2f}",
+                          f"{c:.2f}" if c > 0 else "none (verification alone loses)")
         out.print(table)
+        err.print(_pays_from(m))
+
+
+def _pays_from(m) -> str:
+    """One line: from which acceptance this table's draft pays, or why none does."""
+    a = m.paying_acceptance()
+    share = m.draft_token_s / m.plain
+    if a is not None:
+        return f"this draft ({share:.2f} of a target token) pays from acceptance {a:.2f}"
+    return (f"this draft ({share:.2f} of a target token) pays at no acceptance: with every "
+            f"drafted token accepted, no draft length beats plain decoding here")
 
 
 # ---- bench ----------------------------------------------------------------------------------
@@ -611,11 +629,13 @@ def bench(
                                 help="Spec-Bench style JSONL file, humaneval:LO-HI (completions) "
                                      "or humaneval-edit:LO-HI (code edits, chat)."),
     configs: str = typer.Option("quick", "--configs",
-                                help="Comma-separated configurations or groups (quick, peers, all)."),
+                                help="Comma-separated configurations or groups (quick, peers, "
+                                     "all)."),
     per_category: int = typer.Option(3, "--per-category", help="Prompts per category (0: all)."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="New tokens per prompt."),
     max_prompt_tokens: int = typer.Option(0, "--max-prompt-tokens",
-                                          help="Cut longer user messages in the middle (0: never)."),
+                                          help="Cut longer user messages in the middle "
+                                               "(0: never)."),
     turns: int = typer.Option(1, "--turns",
                               help="Multi-turn records: also measure turns 2..N, each in its "
                                    "conversation (earlier turns answered by the model), "
@@ -704,7 +724,8 @@ def pull(
     if pair:
         entries += [e for e in reg.pair(pair) if e not in entries]
     if not entries:
-        raise SpeceeError(f"name a model or --pair; registry names: {', '.join(sorted(reg.models))}")
+        raise SpeceeError(f"name a model or --pair; registry names: "
+                          f"{', '.join(sorted(reg.models))}")
     for entry in entries:
         if quick and is_verified(entry):  # nothing to fetch or hash: no progress bar
             err.print(f"[green]ok[/green] {entry.name}: {entry.local_path}", soft_wrap=True)

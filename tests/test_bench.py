@@ -73,7 +73,8 @@ def test_spec_bench_groups_mt_bench_and_reports_bad_lines(tmp_path):
     f = _jsonl(tmp_path / "p.jsonl", [{"category": "writing", "turns": ["a"]},
                                       {"category": "qa", "turns": ["b", "c"]}])
     ps = prompts.load_spec_bench(f)
-    assert [(p.category, p.text, p.id) for p in ps] == [("mt_bench", "a", "p:1"), ("qa", "b", "p:2")]
+    assert [(p.category, p.text, p.id) for p in ps] == [("mt_bench", "a", "p:1"),
+                                                         ("qa", "b", "p:2")]
     bad = _jsonl(tmp_path / "bad.jsonl", [{"category": "qa", "turns": ["b"]}, "{not json"])
     with pytest.raises(SpeceeError, match=r"bad.jsonl:2:"):
         prompts.load_spec_bench(bad)

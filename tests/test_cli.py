@@ -173,3 +173,12 @@ def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
     assert "all from the model" in r.stderr
     assert_one_line_error(run("generate", small_model, "--draft", small_model, "--mode", "spec",
                               "--gamma", "often", "-p", "x"), "gamma must be a number of tokens")
+
+
+def test_costs_says_what_would_make_drafting_pay(tiny_qwen2):
+    # the cost table of a pair, and for each acceptance the dearest draft token that would
+    # still pay (issue 12: where a goal is out of reach, the table shows what would reach it)
+    r = run("costs", tiny_qwen2, "--draft", tiny_qwen2)
+    assert r.returncode == 0, r.stderr
+    assert "pays with a draft token up to" in r.stdout
+    assert "this draft (" in r.stderr and "of a target token) pays" in r.stderr

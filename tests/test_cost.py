@@ -55,6 +55,30 @@ def test_gamma_choice_follows_costs_not_thresholds():
     assert cheap.best_gamma(0.95) >= 1
 
 
+def test_what_would_pay_agrees_with_the_gamma_choice():
+    # the break-even draft cost at an acceptance: a hair cheaper pays, a hair dearer does not
+    for a in (0.7, 0.9, 0.95):
+        c = CPU.paying_draft_cost(a)
+        assert 0 < c < CPU.draft_token_s   # the 0.6 draft is too dear at every one of them
+        assert CostModel(CPU.target_batch_s, draft_token_s=0.98 * c).best_gamma(a) >= 1
+        assert CostModel(CPU.target_batch_s, draft_token_s=1.02 * c).best_gamma(a) == 0
+    # by hand at 0.9: g = 1 gives (1.9 - 1.55) / 1 = 0.35, g = 3 (3.439 - 2.37) / 3 = 0.356
+    assert CPU.paying_draft_cost(0.9) == pytest.approx(max(
+        ((1 - 0.9 ** (g + 1)) / 0.1 - CPU.verify(g + 1)) / g for g in range(1, 16)))
+    # a round's first draft decode at its measured ratio to the others: dearer, less room
+    first = replace(CPU, draft_token_s=0.1, draft_first_s=0.2)
+    assert first.paying_draft_cost(0.9) < CPU.paying_draft_cost(0.9)
+    # verification of two dearer than the two tokens it can bring: nothing pays at 0.5
+    assert CostModel([1.0, 2.1, 3.2], draft_token_s=0.01).paying_draft_cost(0.5, 2) < 0
+    # the break-even acceptance of a cheap draft: just above it drafting is chosen
+    cheap = CostModel(CPU.target_batch_s, draft_token_s=0.1)
+    a = cheap.paying_acceptance()
+    assert 0.3 < a < 0.95
+    assert cheap.best_gamma(a + 0.01) >= 1 and cheap.best_gamma(a - 0.01) == 0
+    # a draft that cannot pay even when always right has no such acceptance
+    assert CostModel([1.0, 2.1, 3.2], draft_token_s=0.5).paying_acceptance(2) is None
+
+
 def test_measure_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
@@ -249,3 +273,25 @@ def test_verify_curve_script_prints_a_ratio_per_size(tmp_path, monkeypatch, caps
     rows = [ln.split(" | ") for ln in lines[2:]]
     assert [int(r[0]) for r in rows] == list(range(1, 7))
     assert all(float(r[1]) > 0 for r in rows)
+
+
+def test_cache_writes_are_whole_or_absent(tmp_path, monkeypatch):
+    from specee_cpp.paths import write_text_atomic
+
+    path = tmp_path / "costs" / "k.json"
+    write_text_atomic(path, "old")
+    # a write interrupted after the temporary file was opened leaves the old file and no
+    # temporary one behind
+    real = type(path).write_text
+
+    def torn(self, text, *a, **k):
+        real(self, text[:2], *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(path), "write_text", torn)
+    with pytest.raises(KeyboardInterrupt):
+        write_text_atomic(path, "new text")
+    monkeypatch.undo()
+    assert path.read_text() == "old" and sorted(p.name for p in path.parent.iterdir()) == ["k.json"]
+    write_text_atomic(path, "new text")
+    assert path.read_text() == "new text"

@@ -20,6 +20,7 @@ from ..engine import modes
 from ..engine.llm import LLM
 from ..engine.steps import stop_at
 from ..errors import SpeceeError
+from ..paths import write_text_atomic
 from ..provenance import machine
 from ..records import records
 from .configs import BenchConfig
@@ -108,9 +109,7 @@ class Runner:
                 self.answers[key] = self.llm.generate(list(messages), max_tokens=HISTORY_TOKENS,
                                                       mode="plain").text
                 if self.answers_path is not None:
-                    tmp = self.answers_path.with_suffix(".tmp")
-                    tmp.write_text(json.dumps(self.answers, indent=0), encoding="utf-8")
-                    tmp.replace(self.answers_path)
+                    write_text_atomic(self.answers_path, json.dumps(self.answers, indent=0))
             messages.append({"role": "assistant", "content": self.answers[key]})
         messages.append({"role": "user", "content": p.text})
         return messages

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import PullError
+from ..paths import write_text_atomic
 from .registry import ModelEntry, Source
 
 # progress(description, bytes_done, bytes_total)
@@ -65,10 +66,9 @@ def verified_at(path: Path) -> str | None:
 
 def _write_stamp(path: Path, sha256: str) -> None:
     st = path.stat()
-    tmp = _stamp_path(path).with_suffix(".partial")
-    tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                               "verified_at": time.time()}))
-    os.replace(tmp, _stamp_path(path))
+    write_text_atomic(_stamp_path(path), json.dumps({
+        "sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        "verified_at": time.time()}))
 
 
 def _pid_alive(pid: int) -> bool:

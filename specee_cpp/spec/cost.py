@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..config import LONG_BATCHES, MAX_GAMMA, MAX_VERIFY
-from ..paths import home
+from ..paths import home, write_text_atomic
 
 N_MAX = MAX_VERIFY
 
@@ -97,6 +97,41 @@ class CostModel:
     def best_gamma(self, accept: float, gammas=range(0, MAX_GAMMA + 1)) -> int:
         return max(gammas, key=lambda g: self.expected_tps(accept, g))
 
+    # What would make drafting pay where it does not: the answer a cost table owes when a
+    # goal is out of reach on a machine (issue 12), in the units the table is read in.
+
+    def paying_draft_cost(self, accept: float, g_max: int = MAX_GAMMA) -> float:
+        """The dearest draft token, as a fraction of a plain token, with which some draft
+        length up to ``g_max`` would beat plain decoding at per-token acceptance ``accept``
+        (this table's verification; a round's first draft decode kept at its measured ratio
+        to the others). At most 0: verification alone loses at this acceptance, and no
+        draft, however cheap, pays."""
+        a = min(max(accept, 0.0), 1.0 - 1e-9)
+        first = self.draft_first_s / self.draft_token_s \
+            if self.draft_first_s and self.draft_token_s else 1.0
+        best = -np.inf
+        for g in range(1, g_max + 1):
+            tokens = (1.0 - a ** (g + 1)) / (1.0 - a)
+            # tokens / (c (first + g - 1) + v(g + 1)) > 1 / plain, solved for c
+            best = max(best, (tokens * self.plain - self.verify(g + 1)) / (first + g - 1))
+        return float(best / self.plain)
+
+    def paying_acceptance(self, g_max: int = MAX_GAMMA) -> float | None:
+        """The lowest per-token acceptance from which this draft (its measured cost) beats
+        plain decoding at some draft length up to ``g_max``; None where none does, even with
+        every drafted token accepted."""
+        if not self.drafting_can_pay(g_max):
+            return None
+
+        def pays(a: float) -> bool:
+            return max(self.expected_tps(a, g) for g in range(1, g_max + 1)) > 1.0 / self.plain
+
+        lo, hi = 0.0, 1.0   # pays(hi) holds in the limit (drafting_can_pay)
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+        return hi
+
 
 @dataclass(frozen=True)
 class CostTable:
@@ -166,10 +201,7 @@ def load_or_measure(key: str, measure) -> CostTable:
     # anything else (another layout of the file) is measured again and replaced
     table = as_table(measure())
     table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(asdict(table)))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(asdict(table)))
     return table
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SpeceeError
-from ..paths import BUNDLE_DIR
+from ..paths import BUNDLE_DIR, write_text_atomic
 
 AUTO = "auto"
 
@@ -182,10 +182,7 @@ def draft_ratio(llm, path: Path) -> float:
     finally:
         other.close()
     cached[path.name] = float(np.median(pairs))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(cache.name + ".partial")
-    tmp.write_text(json.dumps(cached, indent=1), encoding="utf-8")
-    tmp.replace(cache)
+    write_text_atomic(cache, json.dumps(cached, indent=1))
     return cached[path.name]
 
 
