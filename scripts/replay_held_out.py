@@ -16,7 +16,7 @@ Many more prompts than a timed bench can afford on two cores (82 code edits agai
 one set of outputs for every model compared: a change to the copy model or the drafter is
 read here first, then confirmed by `specee-cpp bench`. Never fit or tune on these.
 
-    python scripts/replay_held_out.py [--per-category 8] [--turn2 12]
+    python scripts/replay_held_out.py [--per-category 8] [--turn2 12] [--edits 82-163]
 """
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ import argparse
 import sys
 
 
-def held_out_prompts(per_category: int, turn2: int):
+HELD_OUT_EDITS = 82   # HumanEval tasks 0-81 are dev (fitting, tuning), 82-163 held out
+
+
+def held_out_prompts(per_category: int, turn2: int, edits: str = "82-163"):
     """(prompt, max_tokens) pairs of the held-out streams, in a fixed order."""
     from specee_cpp.bench.prompts import (DEV_PROMPTS, fitting_pool, load_humaneval_edit,
                                           load_spec_bench, per_category as by_category,
@@ -35,8 +38,12 @@ def held_out_prompts(per_category: int, turn2: int):
     first = by_category(every, per_category, pool)
     outside = [p for p in every if p.id not in pool and p.category == "mt_bench"]
     second = [p for p in with_turns(outside, 2) if p.earlier][:turn2]
-    edits = load_humaneval_edit("82-163")
-    return [(p, 192) for p in edits] + [(p, 64) for p in first] + [(p, 64) for p in second]
+    code = load_humaneval_edit(edits) if edits else []
+    dev = [p.id for p in code if int(p.id.split("/")[1].split(":")[0]) < HELD_OUT_EDITS]
+    if dev:
+        raise SystemExit(f"--edits {edits} reaches dev tasks ({dev[0]}): the held-out code "
+                         f"edits are tasks {HELD_OUT_EDITS}-163")
+    return [(p, 192) for p in code] + [(p, 64) for p in first] + [(p, 64) for p in second]
 
 
 def main() -> int:
@@ -47,6 +54,9 @@ def main() -> int:
     ap.add_argument("--per-category", type=int, default=8,
                     help="Spec-Bench first turns per category")
     ap.add_argument("--turn2", type=int, default=12, help="MT-Bench second turns")
+    ap.add_argument("--edits", default="82-163",
+                    help="held-out code edits LO-HI (within 82-163; empty: none): all 82 "
+                         "take ~20 min to decode on two cores the first time")
     ns = ap.parse_args()
 
     from specee_cpp.config import LoadConfig
@@ -59,7 +69,7 @@ def main() -> int:
         sha = llm.model.sha256
         cache = stream_cache(llm, "heldout-")
         cache.parent.mkdir(parents=True, exist_ok=True)
-        data = streams(llm, held_out_prompts(ns.per_category, ns.turn2), cache,
+        data = streams(llm, held_out_prompts(ns.per_category, ns.turn2, ns.edits), cache,
                        lambda msg: print(f"[held-out] {msg}", file=sys.stderr, flush=True))
         table = cost_model(llm)
         where = describe(machine(llm.config.threads))

@@ -270,6 +270,12 @@ def test_held_out_replay_streams_share_no_prompt_with_the_fitting_data():
     # the conversations of second turns are outside the pool too (their first turns)
     assert not fitted & {p.id.rsplit(":t", 1)[0] for p, _ in held if p.earlier}
     assert {n for p, n in held if p.category == "code_edit"} == {192}
+    # a quicker replay over fewer code edits, never over a dev task
+    few = held_out_prompts(per_category=1, turn2=0, edits="82-89")
+    assert [p.id for p, _ in few if p.category == "code_edit"] == [
+        f"HumanEval/{k}:edit" for k in range(82, 90)]
+    with pytest.raises(SystemExit, match="dev tasks"):
+        held_out_prompts(per_category=1, turn2=0, edits="80-85")
 
 
 def test_a_long_copy_counts_on_the_fitted_break_rate():
