@@ -26,6 +26,10 @@ PROMPTS = ["Write a Python function that reverses a string.",
            "What is the capital of Italy? Answer in one sentence.",
            "List three prime numbers and explain why they are prime."]
 N = 40
+# a prompt whose answer exits: not CALIB[0], whose greedy answer on some machines (the AVX2-only
+# EPYC) is "Apple, Banana, Cherry, ..." over and over, a loop that spec-ee verifies at full
+# depth by design (hyper/verify.py: looping), so nothing exits there and nothing is tested
+EXITS = PROMPTS[2]
 
 
 def test_the_rows_that_decide_a_round():
@@ -97,7 +101,7 @@ def test_exits_off_equal_spec_with_a_draft_that_is_rejected(small_model, random_
 
 @pytest.mark.parametrize("rule", ["argmax", "candidate"])
 def test_batches_exit_together_and_the_cache_stays_whole(pair, bundle, small_model, rule):
-    res = pair.generate(CALIB[0], max_tokens=48, mode="spec-ee",
+    res = pair.generate(EXITS, max_tokens=48, mode="spec-ee",
                         options=SpecEEOptions(gamma=3, predictors=bundle, threshold=0.05,
                                               rule=rule, unsafe=True))
     st = res.stats
@@ -106,9 +110,9 @@ def test_batches_exit_together_and_the_cache_stays_whole(pair, bundle, small_mod
     assert st.n_drafted > 0 and n_exit <= st.n_gen
     # later plain runs on these contexts equal those of a fresh context: every exit left
     # a complete cache (filled K/V) and every round cut both caches back
-    after = [pair.generate(p, max_tokens=16).tokens for p in (CALIB[0], PROMPTS[0])]
+    after = [pair.generate(p, max_tokens=16).tokens for p in (EXITS, PROMPTS[0])]
     with LLM(small_model, config=LoadConfig(n_ctx=1024, n_threads=2)) as fresh:
-        assert after == [fresh.generate(p, max_tokens=16).tokens for p in (CALIB[0], PROMPTS[0])]
+        assert after == [fresh.generate(p, max_tokens=16).tokens for p in (EXITS, PROMPTS[0])]
     spec = pair.generate(PROMPTS[1], max_tokens=16, mode="spec", options=SpecOptions(gamma=3))
     assert spec.tokens == pair.generate(PROMPTS[1], max_tokens=16).tokens
 
@@ -145,7 +149,7 @@ def test_bench_reports_drafts_and_exits_of_spec_ee(small_model, bundle, tmp_path
                                                     unsafe=True))
     monkeypatch.setitem(configs.CONFIGS, cfg.name, cfg)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"category": "qa", "turns": [CALIB[0]]}) + "\n")
+    prompts.write_text(json.dumps({"category": "qa", "turns": [EXITS]}) + "\n")
     opts = BenchOptions(model=str(small_model), draft=str(small_model), prompts=str(prompts),
                         configs=cfg.name, per_category=1, max_tokens=32, exclude_calibration=0,
                         out=str(tmp_path / "q"), threads=2, n_ctx=512)
