@@ -39,10 +39,10 @@ def held_out_prompts(per_category: int, turn2: int, edits: str = "82-163"):
     outside = [p for p in every if p.id not in pool and p.category == "mt_bench"]
     second = [p for p in with_turns(outside, 2) if p.earlier][:turn2]
     code = load_humaneval_edit(edits) if edits else []
-    dev = [p.id for p in code if int(p.id.split("/")[1].split(":")[0]) < HELD_OUT_EDITS]
-    if dev:
-        raise SystemExit(f"--edits {edits} reaches dev tasks ({dev[0]}): the held-out code "
-                         f"edits are tasks {HELD_OUT_EDITS}-163")
+    # a range is loaded in task order: its first task is its lowest
+    if code and int(code[0].task["task_id"].split("/")[1]) < HELD_OUT_EDITS:
+        raise SystemExit(f"--edits {edits} reaches dev tasks ({code[0].task['task_id']}): "
+                         f"the held-out code edits are tasks {HELD_OUT_EDITS}-163")
     return [(p, 192) for p in code] + [(p, 64) for p in first] + [(p, 64) for p in second]
 
 
