@@ -174,7 +174,7 @@ def test_summary_tables_json_png(tmp_path):
     assert ee["common_prefix"] == pytest.approx((6 + 1) / 2)
     assert ee["agreement"] == pytest.approx(0.85) and "agreement" not in look
     md = report.markdown(s, "specee-cpp bench X", "settings;")
-    assert md.startswith("`specee-cpp bench X`") and "| lcpp-lookup | 13.3 | 1.333 |" in md
+    assert md.startswith("`specee-cpp bench X`") and "| lcpp-lookup | 13.3 | 1.333 (" in md
     assert "| rag | 1 | 10.0 | 1.000 | 1.000 |" in md
     report.write_json(tmp_path / "r.json", "cmd", {"a": 1}, s, recs)
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
@@ -202,6 +202,34 @@ def test_repeated_measurements_pool_and_pair_with_plain_of_the_same_repeat():
     assert look["categories"]["qa"]["prompts"] == 1
     assert look["identical"] == 0.5          # each repeat against plain's own text
     assert "1 prompts, each measured 2 times" in report.markdown(s, "c", "s;")
+
+
+def test_speedups_carry_an_interval_from_resampled_pairs():
+    """Each speed-up comes with the 95% interval of its (prompt, repeat) pairs resampled: it
+    holds the pooled figure, is the same every time it is computed, is narrow where every
+    pair says the same and wide where the pairs disagree, and is absent for a single pair."""
+    sel = configs.select("lcpp-lookup")
+
+    def run(times):
+        recs = []
+        for k, t in enumerate(times):
+            recs += [_rec(f"p{k}", "qa", "plain", "t", 10, 1.0),
+                     _rec(f"p{k}", "qa", "lcpp-lookup", "t", 10, t)]
+        return report.summarize(recs, sel)["configs"]["lcpp-lookup"]
+
+    steady, noisy = run([0.5, 0.5, 0.51, 0.49, 0.5, 0.5]), run([0.4, 0.8, 0.5, 1.2, 0.45, 0.7])
+    for e in (steady, noisy):
+        lo, hi = e["interval"]
+        assert lo <= e["speedup"] <= hi
+        assert e["categories"]["qa"]["interval"] == e["interval"]   # one category: the same
+    assert steady["interval"][1] - steady["interval"][0] < 0.1
+    assert noisy["interval"][1] - noisy["interval"][0] > 0.4
+    assert run([0.4, 0.8, 0.5, 1.2, 0.45, 0.7])["interval"] == noisy["interval"]
+    assert run([0.5])["interval"] is None
+    s = report.summarize([_rec("a", "qa", "plain", "t", 10, 1.0),
+                          _rec("a", "qa", "lcpp-lookup", "t", 10, 0.5)], sel)
+    md = report.markdown(s, "c", "s;")
+    assert "| qa | 1 | 10.0 | 2.000 |" in md and "95% interval" not in md
 
 
 def test_peer_tokens_past_the_limit_are_not_counted():

@@ -3,7 +3,8 @@
 The columns, each defined once (the fields are record.Record's):
 
 - tok/s: sum of n_decode / sum of decode_s over the prompts every compared configuration
-  finished; speed-up: that over plain's, in the same run;
+  finished; speed-up: that over plain's, in the same run; in brackets its 95% interval
+  (``interval``: the (prompt, repeat) pairs resampled);
 - prefill s: mean prefill_s; drafted, acceptance: sum of n_drafted, sum n_accept / sum
   n_drafted; exit ratio: sum n_exit / sum n_gen; mean exit layer: sum exit_layer_sum /
   sum n_exit;
@@ -17,6 +18,8 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from ..engine.sequence import common_prefix
 from .configs import BenchConfig
@@ -47,6 +50,33 @@ def _agg(recs: list[Record]) -> dict:
     if scored:
         out["pass_at_1"] = sum(r.passed for r in scored) / len(scored)
     return out
+
+
+# Resamples of the pairs behind a speed-up; seeded, so a report is the same each time it is
+# written from the same records
+RESAMPLES = 2000
+
+
+def interval(pairs: list[tuple[Record, Record]], level: float = 0.95
+             ) -> tuple[float, float] | None:
+    """The ``level`` interval of the pooled speed-up of ``pairs`` (each a configuration's
+    record and plain's of the same prompt and repeat): percentiles over RESAMPLES draws of
+    the pairs with replacement. On a shared 2-core machine one 64-token record reads
+    0.82-1.13x of plain with nothing drafted (docs/BENCHMARKS.md, session 15), so a
+    category's three prompts alone cannot tell 0.97x from 1.00x; this says how far apart
+    such readings are. Pairs are the unit: the spread mixes measurement noise with
+    differences between prompts, and with a few prompts it understates the latter. None
+    for fewer than two pairs."""
+    if len(pairs) < 2:
+        return None
+    a = np.array([[r.n_decode, r.decode_s, q.n_decode, q.decode_s] for r, q in pairs],
+                 dtype=np.float64)
+    pick = np.random.default_rng(0).integers(0, len(a), size=(RESAMPLES, len(a)))
+    n, s, pn, ps = (a[:, k][pick].sum(axis=1) for k in range(4))
+    ratio = (n / s) / (pn / ps)
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(ratio, [tail, 100 - tail])
+    return float(lo), float(hi)
 
 
 def clipped(r: Record, max_tokens: int | None) -> Record:
@@ -83,6 +113,7 @@ def summarize(records: list[Record], configs: list[BenchConfig],
         plain = [by[(p, "plain")] for p in complete]
         plain_tps = _agg(plain)["tps"] if plain else 0.0
         entry["speedup"] = entry["tps"] / plain_tps if plain_tps else None
+        entry["interval"] = interval(list(zip(recs, plain))) if c.name != "plain" else None
         same = [r.text.startswith(q.text) for r, q in zip(recs, plain)]
         entry["identical"] = sum(same) / len(same) if same else None
         entry["common_prefix"] = (sum(common_prefix(r.text, q.text) for r, q in zip(recs, plain))
@@ -96,7 +127,9 @@ def summarize(records: list[Record], configs: list[BenchConfig],
             ps = [p for p in complete if cats[p] == cat]
             a, b = _agg([by[(p, c.name)] for p in ps]), _agg([by[(p, "plain")] for p in ps])
             per_cat[cat] = {"prompts": len({p for p, _ in ps}), "tps": a["tps"],
-                            "speedup": a["tps"] / b["tps"] if b["tps"] else None}
+                            "speedup": a["tps"] / b["tps"] if b["tps"] else None,
+                            "interval": None if c.name == "plain" else interval(
+                                [(by[(p, c.name)], by[(p, "plain")]) for p in ps])}
         entry["categories"] = per_cat
         summary["configs"][c.name] = entry
     return summary
@@ -104,6 +137,12 @@ def summarize(records: list[Record], configs: list[BenchConfig],
 
 def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _speedup(e: dict) -> str:
+    """A speed-up with its interval, when it has one: '0.986 (0.97-1.00)'."""
+    iv = e.get("interval")
+    return _f(e["speedup"], ".3f") + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv else "")
 
 
 def markdown(summary: dict, command: str, settings: str) -> str:
@@ -119,7 +158,7 @@ def markdown(summary: dict, command: str, settings: str) -> str:
         if e["lossless"] and name != "plain":
             ident += " (lossless mode)"
         rows.append(
-            f"| {name} | {e['tps']:.1f} | {_f(e['speedup'], '.3f')} | {e['prefill_s']:.2f} | "
+            f"| {name} | {e['tps']:.1f} | {_speedup(e)} | {e['prefill_s']:.2f} | "
             f"{e.get('n_drafted', '-')} | {_f(e.get('acceptance'), '.3f')} | "
             f"{_f(e.get('exit_ratio'), '.2f')} | {_f(e.get('mean_exit_layer'), '.1f')} | "
             f"{_f(e.get('agreement'), '.3f')} | {ident} | {_f(e['common_prefix'], '.0f')} |"
@@ -131,14 +170,17 @@ def markdown(summary: dict, command: str, settings: str) -> str:
     for cat in cats:
         plain = cfgs["plain"]["categories"][cat]
         crows.append(f"| {cat} | {plain['prompts']} | {plain['tps']:.1f} | "
-                     + " | ".join(_f(cfgs[n]["categories"][cat]["speedup"], ".3f")
-                                  for n in others) + " |")
+                     + " | ".join(_speedup(cfgs[n]["categories"][cat]) for n in others)
+                     + " |")
     legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
     verdict = best_lines(cfgs) + length_note(cfgs)
     reps = summary.get("repeats", 1)
     times = f", each measured {reps} times (all measurements pooled)" if reps > 1 else ""
+    shown = any(e.get("interval") for e in cfgs.values())
+    spread = (f" In brackets: the 95% interval of a speed-up, from {RESAMPLES:,} resamples of "
+              f"its (prompt, repeat) pairs." if shown else "")
     return (f"`{command}`\n\n{settings} {summary['prompts']} prompts{times}; "
-            f"{time.strftime('%Y-%m-%d')}.\n\n" + "\n".join(rows) + f"\n\n{verdict}"
+            f"{time.strftime('%Y-%m-%d')}.{spread}\n\n" + "\n".join(rows) + f"\n\n{verdict}"
             + "\n\nSpeed-up vs plain by category (same run):\n\n" + "\n".join(crows)
             + f"\n\nConfigurations:\n\n{legend}\n")
 
