@@ -301,10 +301,11 @@ def test_a_round_is_told_the_drafts_catch_up(pair):
     class Late(policies.DraftPolicy):
         """Plain for 12 steps, then 2 tokens a round; records what update() is told."""
         def __init__(self):
-            self.n, self.seen = 0, []
+            self.n, self.seen, self.behinds = 0, [], []
 
         def plan(self):
             self.n += 1
+            self.behinds.append(self.behind)
             return 2 if self.n > 12 else 0
 
         def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
@@ -330,6 +331,10 @@ def test_a_round_is_told_the_drafts_catch_up(pair):
     assert own <= seconds <= own + t["control"]
     assert all("catch_up" not in r.timings for r in rounds[first + 1:])
     assert all(c == 0.0 for _, _, c in pol.seen[first + 1:])
+    # the policy was told how far behind the draft was before each round: one token (the
+    # target's pending one) after the prompt, one more per plain step, 1-2 after a round
+    assert pol.behinds[:13] == list(range(1, 14))
+    assert all(1 <= b <= 2 for b in pol.behinds[14:])
 
 
 @pytest.mark.model
@@ -416,3 +421,38 @@ def test_free_draft_yields_to_a_draft_model_predicted_faster(pair):
             assert traced                          # the draft model drafted instead
     assert free_rounds[float("inf")] == 0          # no free draft took a round
     assert free_rounds[0.0] > 0                    # free drafts took some
+
+
+def test_exploring_prices_the_drafts_catch_up():
+    """An exploring round first catches the draft up on every token emitted by the plain
+    steps before it; where the best round with every draft accepted saves too little over
+    the tokens left to pay for that batch, the policy stays plain (seen: one exploring
+    round per 64-token answer cost spec-auto ~4% on the AVX2-only EPYC, ~190 ms of catch-up
+    on 17 tokens, and nothing drafted was worth it)."""
+    # drafting saves at most ~5% of a plain step per token here (a draft token 0.45, each
+    # verified token +0.5)
+    thin = CostModel([1.0 + 0.5 * i for i in range(16)], 0.45)
+
+    def explores(pol, behind, room):
+        pol.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]   # the last round hopeless
+        plans = []
+        for _ in range(pol.explore_every):
+            pol.at_context(100, behind, room)
+            plans.append(pol.plan())
+        assert plans[:-1] == [0] * (pol.explore_every - 1)
+        return plans[-1] > 0
+
+    pol = policies.CostAwareGamma(LastRate(), thin, 4.85)
+    assert pol.can_pay
+    assert explores(pol, 0, None)          # in sync, a lesson over 64 tokens is worth a try
+    assert not explores(pol, 16, 48)       # 16 behind: the batch costs more than it can win
+    assert not explores(pol, 0, 10)        # 10 tokens left: too few to win back a loss
+    # the guard learns what catching up really costs (in plain steps as seen) and the
+    # policy prices it so: a cheap batch makes the same exploration worth it
+    pol.at_context(100, 16, 48)
+    pol.update(1, 0, [0.1], [5.0], seconds=2.0, tried=True, catch_up=0.8)
+    assert pol.guard.catch_up_rel == pytest.approx(0.8 / 16)
+    assert explores(pol, 16, 48)
+    # where drafting pays broadly (the AMX Xeon: verify nearly flat), it explores as before
+    xeon = policies.CostAwareGamma(LastRate(), XEON, 4.85)
+    assert explores(xeon, 16, 48) and not explores(xeon, 16, 5)

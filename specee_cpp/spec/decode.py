@@ -189,7 +189,9 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         ph = Phases()
         # 1. how many tokens to draft (0: a plain step)
         with ph("control"):
-            policy.at_context(base_t)
+            # the draft is behind by what plain steps and free drafts emitted since it ran
+            behind = len(tgt.tokens) + 1 - len(dft.tokens) if dft is not None else 0
+            policy.at_context(base_t, behind, room)
             # a free draft from the context takes the round when it beats plain decoding
             # and the draft model's best predicted round; else the policy decides
             free = context.plan(base_t + 1, room) if context is not None else []
@@ -210,7 +212,6 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 # after a drafted round 1-2 tokens; after plain steps, free drafts or a
                 # deferred prompt it can be hundreds, timed apart (the guard charges it to
                 # the round, except after its own wait: Guard)
-                behind = len(tgt.tokens) + 1 - len(dft.tokens)
                 with ph("catch_up" if behind > ROUND_CATCH_UP else "draft"):
                     dft.prefill(tgt.tokens + [token], read=False)
             for i in range(g_max):

@@ -24,6 +24,8 @@ from .cost import CostModel, CostTable, as_table
 
 # cost-aware policies re-read their costs when the cache crosses a multiple of this
 CONTEXT_STEP = 64
+# the tokens an exploring round's lesson can pay off over when the caller sets no limit
+EXPLORE_HORIZON = 64
 
 
 class DraftPolicy:
@@ -31,6 +33,7 @@ class DraftPolicy:
     needs_confidence = False
     plan_is_plain = False   # True: plan() is always 0, so plain decoding can run instead
     guard: Guard | None = None   # the cost-aware policies': what drafting really reached
+    behind, room = 0, None       # at_context's, for the round being planned
 
     def plan(self) -> int:
         raise NotImplementedError
@@ -50,11 +53,15 @@ class DraftPolicy:
         this round (a round whose drafts were all dropped by keep() is a plain step that
         paid for a draft token). A policy with a guard has it judge the round."""
         if self.guard is not None and seconds > 0:
-            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up)
+            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up,
+                               self.behind)
 
-    def at_context(self, n_tokens: int) -> None:
+    def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
         """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
-        costs at this length)."""
+        costs at this length), the draft model is ``behind`` tokens behind the target (what
+        a drafted round would first catch it up on) and the caller takes at most ``room``
+        more tokens (None: no limit)."""
+        self.behind, self.room = behind, room
 
     def waiting(self) -> bool:
         """Whether the policy holds at plain decoding for now (its guard backed off): the
@@ -138,6 +145,9 @@ class Guard:
         self.n_judged = 0            # drafted rounds since the last verdict
         self.backoff, self.wait = first_backoff, 0
         self.waited = False          # a wait ran since the last drafted round
+        # seconds per token of catching the draft up, in plain steps as seen here (None:
+        # none seen): what a drafted round after plain steps pays first
+        self.catch_up_rel: float | None = None
 
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.alpha * (x - old)
@@ -153,10 +163,16 @@ class Guard:
         return want
 
     def observe(self, n_drafted: int, tokens: int, seconds: float,
-                catch_up: float = 0.0) -> None:
+                catch_up: float = 0.0, behind: int = 0) -> None:
         if not n_drafted:
             self.plain = self._ema(self.plain, tokens / seconds)
             return
+        if catch_up > 0 and behind > 0:
+            # kept relative to the plain steps seen, like the cost model's own units: a
+            # table measured while the machine was busy reads dearer than today's steps
+            rel = catch_up / behind * self.plain_tps()
+            self.catch_up_rel = rel if self.catch_up_rel is None else \
+                self.catch_up_rel + 0.5 * (rel - self.catch_up_rel)
         if self.waited:
             seconds, self.waited = max(seconds - catch_up, 1e-9), False
         tps = tokens / seconds
@@ -218,7 +234,8 @@ class _ReadsCosts:
         self.costs = costs
         self.can_pay = costs.drafting_can_pay(self.g_max)
 
-    def at_context(self, n_tokens: int) -> None:
+    def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
+        super().at_context(n_tokens, behind, room)
         bucket = n_tokens // CONTEXT_STEP
         if bucket != self._bucket and len(self.table.points) > 1:
             self._bucket = bucket
@@ -324,11 +341,30 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
             # the AMX Xeon sat at plain for 16 steps at a time where the draft's rounds were
             # 93% accepted
             self.n_plain = 0
+            if not self._exploring_can_pay():
+                return 0
             g = self.guard.gate(int(self.gammas.max()))
             self._exploring = g > 0
         if g:
             self._start_round()
         return g
+
+    def _exploring_can_pay(self) -> bool:
+        """Whether an exploring round is worth its price. It first catches the draft up on
+        the ``behind`` tokens emitted by plain steps (a batch worth ~3 plain steps after 16
+        on the AVX2-only EPYC, where it cost spec-auto ~4% over 64-token answers that never
+        drafted again), then risks one rejected token. Its lesson can at best make every
+        token left (``room``, at most ``EXPLORE_HORIZON``) as cheap as the fastest round
+        with all its drafts accepted; explore only where that saving exceeds the price."""
+        c = self.costs
+        # catching up costs per token what the guard saw, else half a 2-token first decode
+        # (an upper bound: a longer batch is cheaper per token)
+        rel = self.guard.catch_up_rel
+        per = rel * c.plain if rel is not None else c.draft(1) / 2
+        price = max(per * self.behind - c.draft(1), 0.0) + c.draft(1) + c.verify(2) - c.plain
+        horizon = EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
+        saving = c.plain - float(np.min(self.time / (self.gammas + 1)))
+        return horizon * saving > price
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
         # an exploring round keeps its first token whatever it promises: it is there to
