@@ -447,11 +447,12 @@ def test_exploring_prices_the_drafts_catch_up():
     assert explores(pol, 0, None)          # in sync, a lesson over 64 tokens is worth a try
     assert not explores(pol, 16, 48)       # 16 behind: the batch costs more than it can win
     assert not explores(pol, 0, 10)        # 10 tokens left: too few to win back a loss
-    # the guard learns what catching up really costs (in plain steps as seen) and the
-    # policy prices it so: a cheap batch makes the same exploration worth it
+    # the guard learns what catching up really costs per token beyond one draft decode (in
+    # plain steps as seen) and the policy prices it so: a cheap batch makes the same
+    # exploration worth it
     pol.at_context(100, 16, 48)
     pol.update(1, 0, [0.1], [5.0], seconds=2.0, tried=True, catch_up=0.8)
-    assert pol.guard.catch_up_rel == pytest.approx(0.8 / 16)
+    assert pol.guard.catch_up_rel == pytest.approx((0.8 - 0.45) / 16)
     assert explores(pol, 16, 48)
     # where drafting pays broadly (the AMX Xeon: verify nearly flat), it explores as before
     xeon = policies.CostAwareGamma(LastRate(), XEON, 4.85)

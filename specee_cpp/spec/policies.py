@@ -145,9 +145,12 @@ class Guard:
         self.n_judged = 0            # drafted rounds since the last verdict
         self.backoff, self.wait = first_backoff, 0
         self.waited = False          # a wait ran since the last drafted round
-        # seconds per token of catching the draft up, in plain steps as seen here (None:
-        # none seen): what a drafted round after plain steps pays first
+        # catching the draft up on n tokens costs about one draft decode (the weights read
+        # once) plus n times this, in plain steps as seen here (None: none seen yet); what a
+        # drafted round after plain steps pays first. ``catch_up_fixed``: that one decode's
+        # seconds, set by the policy from its costs
         self.catch_up_rel: float | None = None
+        self.catch_up_fixed = 0.0
 
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.alpha * (x - old)
@@ -170,7 +173,7 @@ class Guard:
         if catch_up > 0 and behind > 0:
             # kept relative to the plain steps seen, like the cost model's own units: a
             # table measured while the machine was busy reads dearer than today's steps
-            rel = catch_up / behind * self.plain_tps()
+            rel = max(catch_up - self.catch_up_fixed, 0.0) / behind * self.plain_tps()
             self.catch_up_rel = rel if self.catch_up_rel is None else \
                 self.catch_up_rel + 0.5 * (rel - self.catch_up_rel)
         if self.waited:
@@ -227,12 +230,14 @@ class _ReadsCosts:
         self.table, self.g_max = as_table(costs), g_max
         self.plan_is_plain = not self.table.drafting_can_pay(g_max)
         self._bucket = None
+        self.guard = Guard(1.0 / self.table.points[0].plain)
         self._read(self.table.points[0])
-        self.guard = Guard(1.0 / self.costs.plain)
 
     def _read(self, costs: CostModel) -> None:
         self.costs = costs
         self.can_pay = costs.drafting_can_pay(self.g_max)
+        if self.guard is not None:
+            self.guard.catch_up_fixed = costs.draft_token_s
 
     def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
         super().at_context(n_tokens, behind, room)
@@ -357,11 +362,14 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         token left (``room``, at most ``EXPLORE_HORIZON``) as cheap as the fastest round
         with all its drafts accepted; explore only where that saving exceeds the price."""
         c = self.costs
-        # catching up costs per token what the guard saw, else half a 2-token first decode
-        # (an upper bound: a longer batch is cheaper per token)
+        # a batch of n costs one draft decode plus n times a per-token price: the guard's,
+        # learned from earlier catch-ups, else half a draft decode (more than measured: 9.5
+        # ms a token beside a 28 ms decode on the EPYC). Learned from one size it serves
+        # all: a long batch, cheaper per token, makes a short one look a little cheap
         rel = self.guard.catch_up_rel
-        per = rel * c.plain if rel is not None else c.draft(1) / 2
-        price = max(per * self.behind - c.draft(1), 0.0) + c.draft(1) + c.verify(2) - c.plain
+        per = rel * c.plain if rel is not None else c.draft_token_s / 2
+        catch_up = c.draft_token_s + per * self.behind
+        price = max(catch_up - c.draft(1), 0.0) + c.draft(1) + c.verify(2) - c.plain
         horizon = EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
         saving = c.plain - float(np.min(self.time / (self.gammas + 1)))
         return horizon * saving > price
