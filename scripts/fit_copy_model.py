@@ -101,6 +101,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(ap)
     ap.add_argument("--report", default=str(REPO / "docs" / "bench" / "copy-model.json"))
+    ap.add_argument("--first-scale-only", action="store_true",
+                    help="keep the shipped nets; only measure on the dev streams how far "
+                         "they overrate an answer's first free draft (copy_model."
+                         "first_guess_scale) and write that into the bundle")
     ns = ap.parse_args()
 
     from specee_cpp.config import LoadConfig
@@ -118,10 +122,20 @@ def main() -> int:
         cache = stream_cache(llm)
         cache.parent.mkdir(parents=True, exist_ok=True)
         data = streams(llm, prompts(ns.edit_step), cache, log)
-        table = cost_model(llm)
-        where = machine(llm.config.threads)
-        gpu = gpu_like(table.points[0], llm.model.bits_per_weight)
         eog = llm.model.eog_tokens
+        if not ns.first_scale_only:   # the replay's costs (measured once per machine)
+            table = cost_model(llm)
+            where = machine(llm.config.threads)
+            gpu = gpu_like(table.points[0], llm.model.bits_per_weight)
+    if ns.first_scale_only:
+        from specee_cpp.spec.copy_model import CopyModel, first_guess_scale, samples
+
+        shipped = CopyModel.load(bundle_path(sha))
+        scale = first_guess_scale(shipped.nets, [samples(s["prompt"], s["output"])
+                                                 for s in data])
+        CopyModel(shipped.nets, dict(shipped.meta, first_scale=scale)).save(bundle_path(sha))
+        print(f"{bundle_path(sha).name}: first_scale {scale:.3f} ({len(data)} dev streams)")
+        return 0
     meta = {"target": llm.model.path.name, "target_sha256": sha,
             "data": f"{len(data)} dev streams (scripts/fit_copy_model.py, --edit-step "
                     f"{ns.edit_step})"}

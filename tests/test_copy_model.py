@@ -317,3 +317,29 @@ def test_a_long_copy_counts_on_the_fitted_break_rate():
     assert copy_break_rate([broken]) > copy_break_rate([whole])
     m = fit(_streams(4))
     assert m.copy_break == pytest.approx(m.meta["copy_break"]) and 0 < m.copy_break < 1
+
+
+def test_an_answers_first_free_draft_is_rated_as_often_as_it_was_accepted(tmp_path):
+    """The nets, smooth in the guess count and the position, rate the first token of an
+    answer's first proposal like later ones (dev streams: 0.55 predicted, 0.35 accepted);
+    the fit keeps the ratio of the two on those rows and the model applies it there only."""
+    from specee_cpp.mlp import forward
+    from specee_cpp.spec.copy_model import first_guess
+
+    data = _streams(2)
+    model = fit(data)
+    parts = [samples(s["prompt"], s["output"]) for s in data]
+    X = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    first = first_guess(X)
+    assert 0 < first.sum() <= len(data)          # at most one such row a stream
+    nets = np.mean([forward(net, X) for net in model.nets], axis=0)
+    assert model.first_scale != pytest.approx(1.0, abs=0.01)
+    assert model.predict(X)[first].mean() == pytest.approx(y[first].mean())
+    assert np.array_equal(model.predict(X)[~first], nets[~first])
+    path = tmp_path / "m.copy.npz"
+    model.save(path)
+    assert CopyModel.load(path).first_scale == pytest.approx(model.first_scale)
+    # a bundle fitted before the scale was kept predicts with its nets alone
+    old = CopyModel(model.nets, {k: v for k, v in model.meta.items() if k != "first_scale"})
+    assert np.array_equal(old.predict(X), nets)
