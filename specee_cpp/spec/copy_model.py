@@ -203,7 +203,7 @@ def first_guess_scale(nets: tuple, parts: list[tuple[np.ndarray, np.ndarray]]) -
     y = np.concatenate([y[first_guess(X)] for X, y in parts if len(X)] or [np.zeros(0)])
     if not len(y):
         return 1.0
-    predicted = float(np.mean([forward(net, X) for net in nets], axis=0).mean())
+    predicted = float(CopyModel(nets).predict(X).mean())   # the nets alone, unscaled
     return float(y.mean() / predicted) if predicted > 0 else 1.0
 
 

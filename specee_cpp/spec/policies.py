@@ -54,7 +54,13 @@ class DraftPolicy:
         paid for a draft token). A policy with a guard has it judge the round."""
         if self.guard is not None and seconds > 0:
             self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up,
-                               self.behind)
+                               self.behind, self.one_draft_decode_s)
+
+    @property
+    def one_draft_decode_s(self) -> float:
+        """Seconds of one draft decode at the current costs (0: no cost model): the fixed
+        part of any catch-up batch, which the guard's per-token catch-up cost leaves out."""
+        return 0.0
 
     def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
         """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
@@ -147,10 +153,8 @@ class Guard:
         self.waited = False          # a wait ran since the last drafted round
         # catching the draft up on n tokens costs about one draft decode (the weights read
         # once) plus n times this, in plain steps as seen here (None: none seen yet); what a
-        # drafted round after plain steps pays first. ``catch_up_fixed``: that one decode's
-        # seconds, set by the policy from its costs
+        # drafted round after plain steps pays first
         self.catch_up_rel: float | None = None
-        self.catch_up_fixed = 0.0
 
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.alpha * (x - old)
@@ -166,14 +170,17 @@ class Guard:
         return want
 
     def observe(self, n_drafted: int, tokens: int, seconds: float,
-                catch_up: float = 0.0, behind: int = 0) -> None:
+                catch_up: float = 0.0, behind: int = 0, fixed: float = 0.0) -> None:
+        """A round of ``tokens`` in ``seconds`` (``n_drafted`` 0: a plain step), of which
+        ``catch_up`` fed the draft the ``behind`` tokens it had missed; ``fixed``: the
+        seconds of one draft decode, the part of a catch-up that does not grow with it."""
         if not n_drafted:
             self.plain = self._ema(self.plain, tokens / seconds)
             return
         if catch_up > 0 and behind > 0:
             # kept relative to the plain steps seen, like the cost model's own units: a
             # table measured while the machine was busy reads dearer than today's steps
-            rel = max(catch_up - self.catch_up_fixed, 0.0) / behind * self.plain_tps()
+            rel = max(catch_up - fixed, 0.0) / behind * self.plain_tps()
             self.catch_up_rel = rel if self.catch_up_rel is None else \
                 self.catch_up_rel + 0.5 * (rel - self.catch_up_rel)
         if self.waited:
@@ -230,14 +237,16 @@ class _ReadsCosts:
         self.table, self.g_max = as_table(costs), g_max
         self.plan_is_plain = not self.table.drafting_can_pay(g_max)
         self._bucket = None
-        self.guard = Guard(1.0 / self.table.points[0].plain)
         self._read(self.table.points[0])
+        self.guard = Guard(1.0 / self.costs.plain)
 
     def _read(self, costs: CostModel) -> None:
         self.costs = costs
         self.can_pay = costs.drafting_can_pay(self.g_max)
-        if self.guard is not None:
-            self.guard.catch_up_fixed = costs.draft_token_s
+
+    @property
+    def one_draft_decode_s(self) -> float:
+        return self.costs.draft_token_s
 
     def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
         super().at_context(n_tokens, behind, room)
@@ -369,7 +378,8 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         rel = self.guard.catch_up_rel
         per = rel * c.plain if rel is not None else c.draft_token_s / 2
         catch_up = c.draft_token_s + per * self.behind
-        price = max(catch_up - c.draft(1), 0.0) + c.draft(1) + c.verify(2) - c.plain
+        # a round's first draft decode is paid anyway; the catch-up replaces it when longer
+        price = max(catch_up, c.draft(1)) + c.verify(2) - c.plain
         horizon = EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
         saving = c.plain - float(np.min(self.time / (self.gammas + 1)))
         return horizon * saving > price
