@@ -120,6 +120,38 @@ def real_kernels(directory: str, quant: str) -> None:
     print("ok")
 
 
+def small_batch_rows(directory: str, quant: str) -> None:
+    """Each row of a 2-4 token batch (a verification) equals the same token decoded alone,
+    bit for bit, where the batch is computed row by row (AMX: patch 0009); prints the
+    largest |difference| of each batch size's rows."""
+    path = make_model(Path(directory), quant)
+    model = Model(path)
+    b = Batch(16)
+    nxt = [307, 308, 309, 310]
+    alone = ctx_of(model)
+    b.set(PROMPT, 0)
+    alone.decode(b)
+    singles = []
+    for i, t in enumerate(nxt):
+        b.set([t], len(PROMPT) + i)
+        alone.decode(b)
+        singles.append(alone.logits(-1))
+    diffs = []
+    for n in (2, 3, 4):
+        batched = ctx_of(model)
+        b.set(PROMPT, 0)
+        batched.decode(b)
+        b.set(nxt[:n], len(PROMPT), output_last_only=False)
+        batched.decode(b)
+        rows = all_logits(batched, n)
+        close(rows, np.stack(singles[:n]), f"{quant}: batch of {n} vs one at a time")
+        diffs.append(float(np.max(np.abs(rows - np.stack(singles[:n])))))
+        batched.close()
+    alone.close()
+    model.close()
+    print(" ".join(f"{d:.3g}" for d in diffs))
+
+
 # call mix of the fuzz: stages begun often enough that runs, probes and exits succeed too
 OPS = ["decode", "begin", "run", "run_cand", "head", "exit", "abort", "capture", "hidden",
        "clear", "seq_rm", "begin2"]

@@ -116,6 +116,17 @@ def test_amx_kernels_match_plain_kernels(tmp_path):
         assert child("real_kernels", str(tmp_path), quant) == "ok"
 
 
+@pytest.mark.skipif("not system_has_amx()", reason="this CPU/build has no AMX (AMX_INT8 = 0)")
+def test_small_batches_on_amx_equal_one_row_decodes(tmp_path):
+    # patch 0009 computes 2-4 row batches (verifications) row by row with the one-row
+    # kernel: each row must be that token's own row, equal to decoding it alone (a wrong
+    # row offset would repeat row 0 or read another row's activations)
+    from test_real_kernels import child
+
+    for quant in ("Q4_0", "Q4_K"):
+        assert child("small_batch_rows", str(tmp_path), quant) == "0 0 0", quant
+
+
 def test_native_wheel_key_follows_the_cpu(monkeypatch):
     args = build_wheel.DEFAULT_CMAKE_ARGS
     monkeypatch.setattr(build_wheel, "cpu_features", lambda: "avx2 fma")

@@ -121,3 +121,22 @@ def test_writing_a_reduced_file_twice_and_bad_variants(small_model, reduced, ran
     # SmolLM2's tokenizer has no shipped ranking: the error says how to make one
     with pytest.raises(SpeceeError, match="head_vocab.py"):
         resolve("smollm2-135m:v4k")
+
+
+def test_llama_cpp_tools_get_the_full_head_a_reduced_draft_was_cut_from(small_model, ranking,
+                                                                          tmp_path):
+    # the bench gives llama.cpp's tools "the same draft": they cannot load a reduced head,
+    # so they get its source, found by the name reduced_variant gives it
+    import shutil
+
+    from specee_cpp.models.head import full_head_file
+
+    src = tmp_path / "smol.Q4_0.gguf"
+    shutil.copy(small_model, src)
+    cut = tmp_path / "smol.Q4_0.v2048-0123abcd.gguf"
+    write_reduced(src, cut, ranking, N_HEAD)
+    assert full_head_file(cut) == src
+    assert full_head_file(src) == src
+    src.unlink()
+    with pytest.raises(SpeceeError, match="full-head source smol.Q4_0.gguf"):
+        full_head_file(cut)

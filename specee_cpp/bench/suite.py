@@ -123,6 +123,8 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
     """Measure, write the outputs, return the summary. On Ctrl-C the records measured so far
     are summarized and written before the interrupt goes on."""
     from ..engine.llm import LLM
+    from ..models.head import full_head_file
+    from ..spec.mode import choose_variant
     from .peers import LlamaCppPeers, static_cache, tools_dir
     from .runner import HISTORY_TOKENS, Runner, load_records
 
@@ -141,7 +143,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
     with LLM(opts.model, draft=opts.draft, config=cfg) as llm:
         chosen = prompts_mod.with_turns(
             [shorten(p, llm.model, opts.max_prompt_tokens) for p in chosen], opts.turns)
-        peers = None
+        peers = peer_draft = None
         if any(c.kind == "llama.cpp" for c in configs):
             tools = tools_dir()
             m = llm.model
@@ -150,7 +152,14 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
             if any(c.static_cache for c in configs):
                 cache = static_cache(m.path, m.info.tokenizer_fingerprint,
                                      opts.static_corpus_mb, tools)
-            peers = LlamaCppPeers(m.path, llm.draft_path, cfg,
+            if llm.draft_path is not None:
+                if llm.draft_auto and any(c.needs_draft for c in configs
+                                          if c.kind == "llama.cpp"):
+                    # the variant our modes will draft with, chosen now: the peers draft
+                    # with the same weights from their first prompt
+                    choose_variant(llm)
+                peer_draft = full_head_file(llm.draft_path)
+            peers = LlamaCppPeers(m.path, peer_draft, cfg,
                                   eog_texts=eog, tools=tools, static_cache=cache)
         runner = Runner(llm, configs, opts.max_tokens, peers, repeats=opts.repeats)
         try:
@@ -173,6 +182,10 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "
                             f"by prompt (their order rotated), every configuration from an empty KV cache; measured on "
                             f"{describe(where)};")
+                if peer_draft is not None and any(c.needs_draft for c in configs
+                                                  if c.kind == "llama.cpp"):
+                    settings += (f" draft file: {llm.draft_path.name} (ours), "
+                                 f"{peer_draft.name} (llama.cpp's tools);")
                 md = markdown(summary, command, settings)
                 prefix.with_suffix(".md").write_text(md)
                 write_json(prefix.with_suffix(".json"), command, dict(asdict(opts), machine=where),

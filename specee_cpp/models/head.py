@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,23 @@ def write_gguf(reader, out: Path, tensors: list, int32_arrays: dict) -> Path:
         writer.close()
         partial.unlink(missing_ok=True)
     return out
+
+
+def full_head_file(path: Path) -> Path:
+    """The file a reduced-head draft was cut from (``reduced_variant`` names it
+    ``SRC.vN-DIGEST.gguf`` beside its source); ``path`` itself when its head is whole.
+    llama.cpp's own tools cannot load a reduced head (its output rows do not match the
+    vocabulary): a peer given "the same draft" gets the same weights with the whole head."""
+    import gguf
+
+    path = Path(path)
+    if HEAD_KEY not in gguf.GGUFReader(path).fields:
+        return path
+    src = path.with_name(re.sub(r"\.v\d+-[0-9a-f]{8}\.gguf$", ".gguf", path.name))
+    if src == path or not src.is_file():
+        raise SpeceeError(f"{path.name} has a reduced head and its full-head source {src.name} "
+                          f"is not beside it")
+    return src
 
 
 def reduced_variant(src: Path, n: int) -> Path:
