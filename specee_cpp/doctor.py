@@ -8,7 +8,7 @@ from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
-from .provenance import NO_AMX_ENV, amx_switched_off
+from .provenance import AMX_ROWS_ENV, NO_AMX_ENV, amx_rows_override, amx_switched_off
 
 
 def cpu_has_amx() -> bool:
@@ -27,7 +27,10 @@ def amx_state(system_info: str) -> str:
                 if cpu_has_amx() else "not compiled in (this CPU has no AMX)")
     if amx_switched_off():
         return f"compiled in, off ({NO_AMX_ENV} / --no-amx)"
-    return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1)"
+    rows = amx_rows_override()
+    batches = (f"batches of up to {rows} rows row by row ({AMX_ROWS_ENV})" if rows is not None
+               else f"batches of 2-4 rows row by row, patch 0009 ({AMX_ROWS_ENV}=1: upstream)")
+    return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1); {batches}"
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:

@@ -19,6 +19,19 @@ from .memory import huge_pages_wanted, thp_mode
 NO_AMX_ENV = "GGML_CPU_NO_AMX"
 
 
+AMX_ROWS_ENV = "GGML_AMX_VNNI_ROWS"   # patch 0009: batches up to this many rows row by row
+
+
+def amx_rows_override() -> int | None:
+    """Patch 0009's row limit where this process's environment sets one (default 4: None),
+    read as the patch reads it (a value below 1 is ignored there)."""
+    try:
+        n = int(os.environ.get(AMX_ROWS_ENV, ""))
+    except ValueError:
+        return None
+    return n if n >= 1 and n != 4 else None
+
+
 def amx_switched_off() -> bool:
     """Whether the AMX switch is off in this process's environment, as the patch reads it."""
     return os.environ.get(NO_AMX_ENV, "") not in ("", "0")
@@ -59,8 +72,15 @@ def machine(n_threads: int) -> dict:
     thp = thp_mode() or "none"
     return {"cpu": _cpu_name(), "features": feats, "threads": int(n_threads), "build": build,
             "amx": "absent" if "AMX_INT8" not in feats else
-            ("off" if amx_switched_off() else "on"),
+            ("off" if amx_switched_off() else _amx_on()),
             "pages": thp if huge_pages_wanted() else f"{thp}, off"}
+
+
+def _amx_on() -> str:
+    # a row limit other than the default is another machine for the cost cache: it moves
+    # the price of verifying 2-8 tokens by up to a third (docs/AMX.md)
+    rows = amx_rows_override()
+    return "on" if rows is None else f"on, {AMX_ROWS_ENV}={rows}"
 
 
 def machine_id(m: dict) -> str:

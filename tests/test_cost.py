@@ -295,3 +295,19 @@ def test_cache_writes_are_whole_or_absent(tmp_path, monkeypatch):
     assert path.read_text() == "old" and sorted(p.name for p in path.parent.iterdir()) == ["k.json"]
     write_text_atomic(path, "new text")
     assert path.read_text() == "new text"
+
+
+def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
+    # patch 0009's GGML_AMX_VNNI_ROWS moves small batches' cost: tables measured under
+    # another limit must not be reused (the default, set or not, is the same machine)
+    from specee_cpp.doctor import amx_state
+
+    monkeypatch.delenv(provenance.AMX_ROWS_ENV, raising=False)
+    assert provenance._amx_on() == "on"
+    monkeypatch.setenv(provenance.AMX_ROWS_ENV, "4")
+    assert provenance._amx_on() == "on"
+    monkeypatch.setenv(provenance.AMX_ROWS_ENV, "1")
+    assert provenance._amx_on() == "on, GGML_AMX_VNNI_ROWS=1"
+    assert "up to 1 rows" in amx_state("AMX_INT8 = 1")
+    monkeypatch.setenv(provenance.AMX_ROWS_ENV, "x")
+    assert provenance._amx_on() == "on"
