@@ -116,3 +116,24 @@ def test_all_logits_match_one_by_one(tiny_llama):
     seq.rewind(len(prompt))
     singles = [seq.feed([t]) for t in (5, 6, 7)]
     np.testing.assert_allclose(batch, np.stack(singles), rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attention_can_be_switched_per_context(small_model):
+    # scripts/attention_cost.py times both settings: each must really be the one asked for.
+    # With flash attention the CPU kernel accumulates V in f16, without it the product is in
+    # f32, so the logits differ (here ~13% of their spread on SmolLM2; not at all would mean
+    # the switch did nothing, a broken attention would be off by about 100%)
+    from specee_cpp.bindings import Batch
+
+    m = Model(small_model)
+    out = {}
+    for fa in (True, False):
+        ctx = Context(m, n_ctx=256, n_batch=64, n_threads=2, flash_attn=fa)
+        b = Batch(64)
+        b.set(list(range(100, 160)), 0)
+        ctx.decode(b)
+        out[fa] = ctx.logits(-1)
+        ctx.close()
+    m.close()
+    diff = float(np.max(np.abs(out[True] - out[False])))
+    assert 0 < diff < 0.3 * float(np.std(out[False])), diff

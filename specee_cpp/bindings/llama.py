@@ -200,7 +200,8 @@ class Batch:
 
 STAGED_ARCHS = ("llama", "qwen2")
 _GGML_TYPE_F32 = 0
-_FLASH_ATTN_DISABLED = 0
+_FLASH_ATTN_DISABLED = 0   # llama_flash_attn_type
+_FLASH_ATTN_ENABLED = 1
 
 
 _POOLS: dict[int, int] = {}
@@ -234,7 +235,8 @@ class Context:
     """
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int,
-                 exact: bool = False, n_seq_max: int = 1, kv_unified: bool | None = None):
+                 exact: bool = False, n_seq_max: int = 1, kv_unified: bool | None = None,
+                 flash_attn: bool | None = None):
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_seq_max = n_seq_max
@@ -245,6 +247,8 @@ class Context:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
+        if flash_attn is not None:   # None: llama.cpp's default (auto: on where supported)
+            params.flash_attn_type = _FLASH_ATTN_ENABLED if flash_attn else _FLASH_ATTN_DISABLED
         if exact:
             params.type_k = params.type_v = _GGML_TYPE_F32
             params.flash_attn_type = _FLASH_ATTN_DISABLED
