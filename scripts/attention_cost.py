@@ -4,10 +4,11 @@ at several context lengths, for each model given (e.g. the target and the draft)
 
 Each context is filled with a prompt in batches, then --tokens single-token decodes are timed
 (the first --warmup dropped); medians in ms, both settings in the same process, one after
-the other. On the 2-core AMX Xeon of session 19 the 0.5B draft (Q4_0, 32k head) took 12.1 ms
-with flash attention and 10.6 ms without at 128 tokens of context, 27.9 and 14.5 ms at 1024,
-while the 1.5B target took 60.4/64.9 and 69.6/71.0 ms: the draft's long-context cost in the
-cost table (0.19 of a target token at 128, 0.41 at 1024) is mostly its flash attention.
+the other. On the 2-core AMX Xeon of session 19 (the command below) the 0.5B draft (Q4_0, 32k
+head) took 11.54 ms with flash attention and 10.31 ms without at 128 tokens of context, 27.28
+and 13.44 ms at 1024, while the 1.5B target took 59.87/66.50 and 66.78/67.56 ms: the draft's
+long-context cost in the cost table (0.19 of a target token at 128, 0.41 at 1024) is mostly
+its flash attention (docs/BENCHMARKS.md, "The draft's flash attention at long context").
 
     python scripts/attention_cost.py qwen2.5-coder-1.5b qwen2.5-coder-0.5b:Q4_0:v32k \\
         [--contexts 128,1024] [--tokens 24] [--warmup 4] [--threads 2]

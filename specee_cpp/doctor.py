@@ -8,7 +8,8 @@ from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
-from .provenance import AMX_ROWS_ENV, NO_AMX_ENV, amx_rows_override, amx_switched_off
+from .provenance import (AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV, amx_rows_override,
+                         amx_switched_off)
 
 
 def cpu_has_amx() -> bool:
@@ -29,7 +30,8 @@ def amx_state(system_info: str) -> str:
         return f"compiled in, off ({NO_AMX_ENV} / --no-amx)"
     rows = amx_rows_override()
     batches = (f"batches of up to {rows} rows row by row ({AMX_ROWS_ENV})" if rows is not None
-               else f"batches of 2-4 rows row by row, patch 0009 ({AMX_ROWS_ENV}=1: upstream)")
+               else f"batches of 2-{AMX_ROWS_DEFAULT} rows row by row, patch 0009 "
+                    f"({AMX_ROWS_ENV}=1: upstream)")
     return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1); {batches}"
 
 

@@ -20,16 +20,17 @@ NO_AMX_ENV = "GGML_CPU_NO_AMX"
 
 
 AMX_ROWS_ENV = "GGML_AMX_VNNI_ROWS"   # patch 0009: batches up to this many rows row by row
+AMX_ROWS_DEFAULT = 4                  # the patch's value when the variable is unset
 
 
 def amx_rows_override() -> int | None:
-    """Patch 0009's row limit where this process's environment sets one (default 4: None),
-    read as the patch reads it (a value below 1 is ignored there)."""
+    """Patch 0009's row limit where this process's environment sets one other than its
+    default (else None), read as the patch reads it (a value below 1 is ignored there)."""
     try:
         n = int(os.environ.get(AMX_ROWS_ENV, ""))
     except ValueError:
         return None
-    return n if n >= 1 and n != 4 else None
+    return n if n >= 1 and n != AMX_ROWS_DEFAULT else None
 
 
 def amx_switched_off() -> bool:

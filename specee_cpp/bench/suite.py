@@ -152,9 +152,9 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
             if any(c.static_cache for c in configs):
                 cache = static_cache(m.path, m.info.tokenizer_fingerprint,
                                      opts.static_corpus_mb, tools)
-            if llm.draft_path is not None:
-                if llm.draft_auto and any(c.needs_draft for c in configs
-                                          if c.kind == "llama.cpp"):
+            if llm.draft_path is not None and any(c.needs_draft for c in configs
+                                                  if c.kind == "llama.cpp"):
+                if llm.draft_auto:
                     # the variant our modes will draft with, chosen now: the peers draft
                     # with the same weights from their first prompt
                     choose_variant(llm)
@@ -182,8 +182,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
                             f"tokens, {cfg.threads} threads, configurations interleaved prompt "
                             f"by prompt (their order rotated), every configuration from an empty KV cache; measured on "
                             f"{describe(where)};")
-                if peer_draft is not None and any(c.needs_draft for c in configs
-                                                  if c.kind == "llama.cpp"):
+                if peer_draft is not None:
                     settings += (f" draft file: {llm.draft_path.name} (ours), "
                                  f"{peer_draft.name} (llama.cpp's tools);")
                 md = markdown(summary, command, settings)

@@ -163,9 +163,18 @@ def write_gguf(reader, out: Path, tensors: list, int32_arrays: dict) -> Path:
     return out
 
 
+def reduced_name(src_name: str, n: int, digest: str) -> str:
+    """The file name of ``src_name`` with a head of ``n`` rows (``digest``: of the ranking
+    rows kept, 8 hex digits); ``_REDUCED_NAME`` reads it back."""
+    return f"{src_name.removesuffix('.gguf')}.v{n}-{digest}.gguf"
+
+
+_REDUCED_NAME = re.compile(r"\.v\d+-[0-9a-f]{8}\.gguf$")
+
+
 def full_head_file(path: Path) -> Path:
-    """The file a reduced-head draft was cut from (``reduced_variant`` names it
-    ``SRC.vN-DIGEST.gguf`` beside its source); ``path`` itself when its head is whole.
+    """The file a reduced-head draft was cut from (``reduced_variant`` writes it beside its
+    source, named by ``reduced_name``); ``path`` itself when its head is whole.
     llama.cpp's own tools cannot load a reduced head (its output rows do not match the
     vocabulary): a peer given "the same draft" gets the same weights with the whole head."""
     import gguf
@@ -173,7 +182,7 @@ def full_head_file(path: Path) -> Path:
     path = Path(path)
     if HEAD_KEY not in gguf.GGUFReader(path).fields:
         return path
-    src = path.with_name(re.sub(r"\.v\d+-[0-9a-f]{8}\.gguf$", ".gguf", path.name))
+    src = path.with_name(_REDUCED_NAME.sub(".gguf", path.name))
     if src == path or not src.is_file():
         raise SpeceeError(f"{path.name} has a reduced head and its full-head source {src.name} "
                           f"is not beside it")
@@ -189,7 +198,7 @@ def reduced_variant(src: Path, n: int) -> Path:
     ranking, _ = load_ranking(read_gguf_info(src).tokenizer_fingerprint)
     # the ranking's digest is in the name: a new ranking makes a new file, never reuses one
     digest = hashlib.sha256(np.ascontiguousarray(ranking[:n], dtype=np.int64)).hexdigest()[:8]
-    out = models_dir() / f"{src.name.removesuffix('.gguf')}.v{n}-{digest}.gguf"
+    out = models_dir() / reduced_name(src.name, n, digest)
     if out.is_file():
         return out
     return write_reduced(src, out, ranking, n)[0]
