@@ -1,6 +1,7 @@
 """The `specee-cpp` command as a user runs it: one-line errors, JSON, chat over stdin."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,3 +183,7 @@ def test_costs_says_what_would_make_drafting_pay(tiny_qwen2):
     assert r.returncode == 0, r.stderr
     assert "pays with a draft token up to" in r.stdout
     assert "this draft (" in r.stderr and "of a target token) pays" in r.stderr
+    # the draft's attention as chosen, with what was timed (contexts cut to the context)
+    assert re.search(r"draft attention: flash attention (off|at llama.cpp default) \(a draft "
+                     r"token [\d.]+/[\d.]+ ms with the default, [\d.]+/[\d.]+ ms off, at "
+                     r"128/\d+ tokens of context\)", r.stderr.replace("\n", " ")), r.stderr

@@ -243,7 +243,8 @@ def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, mon
     with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
         table = cost_model_shown(llm, Status, "costs")
         assert shown[0] == "costs" and len(shown) > 2
-        assert all(s.startswith("costs: context ") for s in shown[1:])
+        assert shown[1] == "costs: the draft's flash attention, on and off"
+        assert all(s.startswith("costs: context ") for s in shown[2:])
         # cached: nothing measured, nothing said past the line itself
         shown.clear()
         assert cost_model_shown(llm, Status, "costs") is table and shown == ["costs"]
@@ -311,3 +312,52 @@ def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "up to 1 rows" in amx_state("AMX_INT8 = 1")
     monkeypatch.setenv(provenance.AMX_ROWS_ENV, "x")
     assert provenance._amx_on() == "on"
+
+
+def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkeypatch):
+    """The draft's flash attention is timed on and off before its costs (the cheaper one
+    chosen, the costs measured with it), kept in the cached table, and applied to the draft's
+    context whenever the table is read: from the cache too (a second LLM on the pair)."""
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    seen = {"contexts": [128, 255], "default": [2e-3, 3e-3], "off": [1e-3, 2e-3]}
+    asked = []
+
+    def timed(model, n_threads, tokens, contexts, n_batch):
+        asked.append((list(contexts), n_batch))
+        return dict(seen)
+
+    monkeypatch.setattr(cost, "time_attention", timed)
+    cfg = LoadConfig(n_ctx=256, n_batch=32, n_threads=1)
+    with LLM(t, draft=d, config=cfg) as llm:
+        assert llm.dft.ctx.flash_attn is None               # llama.cpp's default until measured
+        table = cost_model(llm)
+        assert asked == [([128, 255], 32)]                  # the table's contexts that fit
+        assert table.draft_flash_attn is False and table.draft_attention == seen
+        assert llm.draft_flash_attn is False and llm.dft.ctx.flash_attn is False
+        llm.release_draft()
+        assert llm.dft.ctx.flash_attn is False              # loaded again: still off
+    with LLM(t, draft=d, config=cfg) as llm:                 # from the cache: nothing timed
+        assert cost_model(llm).draft_flash_attn is False and len(asked) == 1
+        assert llm.dft.ctx.flash_attn is False
+    # where flash attention was as cheap, llama.cpp's default stays
+    seen["off"] = [2e-3, 3e-3]
+    fa, _ = cost.draft_attention(None, 1, [1, 2], n_ctx=4096, n_batch=64)
+    assert fa is None and asked[-1] == ([128, 1024], 64)
+
+
+def test_attention_is_timed_both_ways_at_each_context(tmp_path):
+    """The real timing on a tiny model: both settings, each context, positive seconds; the
+    caches are its own (the model can be timed while a context of it is open)."""
+    from specee_cpp.bindings import Model
+
+    model = Model(write_tiny_model(tmp_path / "t.gguf", seed=1))
+    try:
+        seen = cost.time_attention(model, 1, [5, 6, 7], contexts=(40, 8), n_batch=16,
+                                   decodes=3, warmup=1)
+    finally:
+        model.close()
+    assert seen["contexts"] == [8, 40]
+    assert len(seen["default"]) == len(seen["off"]) == 2
+    assert all(x > 0 for x in seen["default"] + seen["off"])

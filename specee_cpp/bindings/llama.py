@@ -258,6 +258,7 @@ class Context:
             raise SpeceeError(f"could not create a context (n_ctx={n_ctx}): {_last_error()}")
         self.ptr = ptr
         self.model = model
+        self.flash_attn = False if exact else flash_attn   # as asked (None: llama.cpp's default)
         self.threadpool = shared_threadpool(n_threads)
         if self.threadpool:
             _ffi.llama_attach_threadpool(ptr, self.threadpool, self.threadpool)

@@ -88,12 +88,21 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 class _Loaded:
     """A model with its context and cached sequence."""
 
-    def __init__(self, path: Path, cfg: LoadConfig):
+    def __init__(self, path: Path, cfg: LoadConfig, flash_attn: bool | None = None):
         mmap = cfg.mmap if cfg.mmap is not None else not private_weights(path, cfg.n_gpu_layers)
         self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers, use_mmap=mmap)
-        self.ctx = Context(self.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
-                           n_threads=cfg.threads)
+        self.cfg = cfg
+        self._open(flash_attn)
+
+    def _open(self, flash_attn: bool | None) -> None:
+        self.ctx = Context(self.model, n_ctx=self.cfg.n_ctx, n_batch=self.cfg.n_batch,
+                           n_threads=self.cfg.threads, flash_attn=flash_attn)
         self.seq = Sequence(self.ctx)
+
+    def reopen(self, flash_attn: bool | None) -> None:
+        """A fresh context (empty cache) with this flash-attention setting; weights kept."""
+        self.ctx.close()
+        self._open(flash_attn)
 
     def close(self) -> None:
         self.ctx.close()
@@ -124,6 +133,9 @@ class LLM:
         self.draft_path = draft_path
         self.draft_base_path = variant_base(draft) if draft is not None else None
         self._dft: _Loaded | None = None
+        # the draft context's flash attention: llama.cpp's default until a cost table
+        # measured on this machine says off is cheaper (spec/cost.py, draft_attention)
+        self.draft_flash_attn: bool | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()
 
@@ -136,8 +148,17 @@ class LLM:
         """The draft with its context, loaded on first use (None without a draft): a mode
         that decides not to draft never pays for its weights."""
         if self._dft is None and self.draft_path is not None:
-            self._dft = _Loaded(self.draft_path, self.config)
+            self._dft = _Loaded(self.draft_path, self.config, self.draft_flash_attn)
         return self._dft
+
+    def set_draft_flash_attn(self, flash_attn: bool | None) -> None:
+        """Open the draft's context with this flash-attention setting (None: llama.cpp's
+        default) from now on; a loaded draft gets a fresh context (its cache refills)."""
+        if flash_attn == self.draft_flash_attn:
+            return
+        self.draft_flash_attn = flash_attn
+        if self._dft is not None:
+            self._dft.reopen(flash_attn)
 
     @property
     def draft_loaded(self) -> bool:

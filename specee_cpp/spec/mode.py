@@ -86,7 +86,8 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..provenance import machine, machine_id
-        from .cost import COST_PROMPT, MEASURE_VERSION, load_or_measure, measure_table
+        from .cost import (COST_PROMPT, MEASURE_VERSION, draft_attention, load_or_measure,
+                           measure_table)
 
         # the machine (CPU features, build, threads, AMX switch) is part of the key: a
         # cache copied to another machine, or a rebuilt library, measures again
@@ -94,9 +95,20 @@ def cost_model(llm, progress=None):
         key = (f"{llm.model.sha256[:12]}-{draft_sha256(llm)[:12]}"
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
         prompt = llm.prompt_tokens(COST_PROMPT)
-        return load_or_measure(
-            key, lambda: replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt,
-                                               progress=progress), machine=where))
+
+        def measure():
+            # the draft's attention first: the table's draft costs are measured with it
+            if progress is not None:
+                progress("the draft's flash attention, on and off")
+            fa, seen = draft_attention(llm.dft.model, llm.config.threads, prompt,
+                                       n_ctx=llm.config.n_ctx, n_batch=llm.config.n_batch)
+            llm.set_draft_flash_attn(fa)
+            return replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt, progress=progress),
+                           machine=where, draft_flash_attn=fa, draft_attention=seen)
+
+        table = load_or_measure(key, measure)
+        llm.set_draft_flash_attn(table.draft_flash_attn)
+        return table
 
     return llm.cached(("spec", "costs"), make)
 

@@ -174,7 +174,7 @@ def draft_ratio(llm, path: Path) -> float:
 
     ref.prefill(context, read=False)
     timed(ref)                                  # warm-up
-    other = _Loaded(path, llm.config)
+    other = _Loaded(path, llm.config, llm.draft_flash_attn)   # timed as the draft runs
     try:
         other.seq.prefill(context, read=False)
         timed(other.seq)
