@@ -424,7 +424,7 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
     from specee_cpp.bindings.quantize import quantize
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.spec.cost import measure_table
+    from specee_cpp.spec.cost import draft_attention, measure_table
 
     gpu_layers = int(os.environ.get("SPECEE_CPP_TEST_GPU_LAYERS", "0"))
     spec = SHAPES[shapes]
@@ -447,6 +447,11 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
         with LLM(files["target"], draft=files["draft"], config=cfg) as llm:
             # a short context to start from (measure_table repeats it to 128 and 1024 tokens)
             tokens = llm.model.tokenize("the cat sat on the mat. " * 8, add_special=True)[:32]
+            # the draft's attention as the runtime chooses it (spec/mode.py cost_model)
+            fa, seen = draft_attention(llm.dft.model, cfg.threads, tokens, n_ctx=cfg.n_ctx,
+                                       n_batch=cfg.n_batch)
+            llm.set_draft_flash_attn(fa)
+            res["draft_attention"] = dict(seen, chosen="off" if fa is False else "default")
             table = measure_table(llm.tgt.seq, llm.dft.seq, tokens)
             res["times_s"]["cost table"] = round(clock() - t, 1)
             res["costs"] = [cost_summary(p) for p in table.points]
@@ -545,6 +550,13 @@ def markdown(r: dict) -> str:
             v = c["verify_rel"]
             lines.append(f"| {c['context']} | {c['plain_token_ms']} | {c['draft_token_rel']} | "
                          + " | ".join(str(v[str(n)]) for n in (2, 4, 8, 16)) + " |")
+        a = m.get("draft_attention")
+        if a:
+            def ms(xs):
+                return "/".join(f"{1e3 * x:.2f}" for x in xs)
+            lines += ["", f"Draft attention: flash attention {a['chosen']} (a draft token "
+                          f"{ms(a['default'])} ms with llama.cpp's default, {ms(a['off'])} ms "
+                          f"off, at {'/'.join(map(str, a['contexts']))} tokens of context)."]
         s = m["staged"]
         lines += ["", f"Staged decode ({s['n_layer']} layers), time per token relative to "
                       f"plain decoding ({s['plain_ms']} ms):", "",

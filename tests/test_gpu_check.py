@@ -53,9 +53,13 @@ def test_gpu_check_cpu_path(tmp_path):
     v = m["costs"][0]["verify_rel"]
     assert set(map(int, v)) == set(range(1, 17)) and all(x > 0 for x in v.values())
     assert m["costs"][0]["draft_token_rel"] > 0
+    # the draft's attention chosen as the runtime does, before the table
+    a = m["draft_attention"]
+    assert a["contexts"] == [128, 1024] and a["chosen"] in ("off", "default")
+    assert all(x > 0 for x in a["default"] + a["off"])
     assert {"staged-full", "probes-8"} <= set(m["staged"]["rel"])
     assert any(k.startswith("exit-") for k in m["staged"]["rel"])
     pol = m["replay"]["policies"]
     assert {"1", "4", "auto", "stop"} <= set(pol) and all(p["speedup"] > 0 for p in pol.values())
     md = (out / "gpu_check.md").read_text()
-    assert "| policy |" in md and "Patch tests" in md
+    assert "| policy |" in md and "Patch tests" in md and "Draft attention: flash attention" in md
