@@ -4,8 +4,8 @@ at several context lengths, for each model given (e.g. the target and the draft)
 
 Each context is filled with a prompt in batches, then --tokens single-token decodes are timed
 (the first --warmup dropped); medians in ms, both settings in the same process, token by
-token in turn (spec/cost.py ``time_attention``, with which a cost table chooses the draft's
-setting; before session 20 this script timed one setting after the other). On the 2-core
+token in turn (engine/attention.py ``time_attention``, with which the draft's setting is
+chosen; before session 20 this script timed one setting after the other). On the 2-core
 AMX Xeon of session 19 (the command below) the 0.5B draft (Q4_0, 32k head) took 11.54 ms with flash attention and 10.31 ms without at 128 tokens of context, 27.28
 and 13.44 ms at 1024, while the 1.5B target took 59.87/66.50 and 66.78/67.56 ms: the draft's
 long-context cost in the cost table (0.19 of a target token at 128, 0.41 at 1024) is mostly
@@ -31,7 +31,7 @@ def main() -> int:
     from specee_cpp.bindings import Model
     from specee_cpp.engine.llm import resolve
     from specee_cpp.provenance import describe, machine
-    from specee_cpp.spec.cost import time_attention
+    from specee_cpp.engine.attention import time_attention
 
     contexts = [int(c) for c in ns.contexts.split(",")]
     tokens = [(1000 + 7 * i) % 30000 + 100 for i in range(max(contexts))]

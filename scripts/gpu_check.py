@@ -424,7 +424,8 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
     from specee_cpp.bindings.quantize import quantize
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.spec.cost import draft_attention, measure_table
+    from specee_cpp.engine.attention import choose
+    from specee_cpp.spec.cost import measure_table
 
     gpu_layers = int(os.environ.get("SPECEE_CPP_TEST_GPU_LAYERS", "0"))
     spec = SHAPES[shapes]
@@ -447,9 +448,8 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
         with LLM(files["target"], draft=files["draft"], config=cfg) as llm:
             # a short context to start from (measure_table repeats it to 128 and 1024 tokens)
             tokens = llm.model.tokenize("the cat sat on the mat. " * 8, add_special=True)[:32]
-            # the draft's attention as the runtime chooses it (spec/mode.py cost_model)
-            fa, seen = draft_attention(llm.dft.model, cfg.threads, tokens, n_ctx=cfg.n_ctx,
-                                       n_batch=cfg.n_batch)
+            # the draft's attention as the runtime chooses it (engine/attention.py)
+            fa, seen = choose(llm.dft.model, cfg.threads, tokens, n_batch=cfg.n_batch)
             llm.set_draft_flash_attn(fa)
             res["draft_attention"] = dict(seen, chosen="off" if fa is False else "default")
             table = measure_table(llm.tgt.seq, llm.dft.seq, tokens)

@@ -5,8 +5,9 @@ import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp import provenance
+from specee_cpp.engine import attention
 from specee_cpp.spec import cost
-from specee_cpp.spec.mode import cost_model
+from specee_cpp.spec.mode import SpecOptions, cost_model
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.engine.llm import LLM
 from tiny_gguf import write_tiny_model
@@ -326,15 +327,17 @@ def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkey
 
     def timed(model, n_threads, tokens, contexts, n_batch):
         asked.append((list(contexts), n_batch))
-        return dict(seen)
+        return dict(seen, contexts=list(contexts))
 
-    monkeypatch.setattr(cost, "time_attention", timed)
+    monkeypatch.setattr(attention, "time_attention", timed)
     cfg = LoadConfig(n_ctx=256, n_batch=32, n_threads=1)
     with LLM(t, draft=d, config=cfg) as llm:
         assert llm.dft.ctx.flash_attn is None               # llama.cpp's default until measured
         table = cost_model(llm)
-        assert asked == [([128, 255], 32)]                  # the table's contexts that fit
-        assert table.draft_flash_attn is False and table.draft_attention == seen
+        # the table's contexts, in contexts of its own (the draft's holds 256 tokens)
+        assert asked == [([128, 1024], 32)]
+        assert table.draft_flash_attn is False
+        assert table.draft_attention == dict(seen, contexts=[128, 1024])
         assert llm.draft_flash_attn is False and llm.dft.ctx.flash_attn is False
         llm.release_draft()
         assert llm.dft.ctx.flash_attn is False              # loaded again: still off
@@ -343,8 +346,34 @@ def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkey
         assert llm.dft.ctx.flash_attn is False
     # where flash attention was as cheap, llama.cpp's default stays
     seen["off"] = [2e-3, 3e-3]
-    fa, _ = cost.draft_attention(None, 1, [1, 2], n_ctx=4096, n_batch=64)
+    fa, _ = attention.choose(None, 1, [1, 2], n_batch=64)
     assert fa is None and asked[-1] == ([128, 1024], 64)
+
+
+def test_every_mode_that_drafts_runs_with_the_measured_attention(tmp_path, monkeypatch):
+    """Early exit's draft provider, spec with a fixed gamma and spec-ee read no cost table,
+    yet decode the draft (ee: on every token): the draft's attention is chosen for them too,
+    measured once per draft file and machine and cached on disk."""
+    from specee_cpp.ee.mode import candidates
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    asked = []
+
+    def timed(model, n_threads, tokens, contexts, n_batch):
+        asked.append(1)
+        return {"contexts": list(contexts), "default": [2e-3, 5e-3], "off": [2e-3, 3e-3]}
+
+    monkeypatch.setattr(attention, "time_attention", timed)
+    cfg = LoadConfig(n_ctx=256, n_batch=32, n_threads=1)
+    with LLM(t, draft=d, config=cfg) as llm:
+        candidates(llm, "draft")
+        assert llm.dft.ctx.flash_attn is False and asked == [1]
+        assert attention.draft_attention(llm)[0] is False and asked == [1]   # kept with the LLM
+    with LLM(t, draft=d, config=cfg) as llm:                 # a new process: from the disk
+        out = llm.generate("the cat", max_tokens=4, mode="spec", options=SpecOptions(gamma=2))
+        assert out.stats.n_drafted > 0 and llm.dft.ctx.flash_attn is False and asked == [1]
 
 
 def test_attention_is_timed_both_ways_at_each_context(tmp_path):
@@ -354,7 +383,7 @@ def test_attention_is_timed_both_ways_at_each_context(tmp_path):
 
     model = Model(write_tiny_model(tmp_path / "t.gguf", seed=1))
     try:
-        seen = cost.time_attention(model, 1, [5, 6, 7], contexts=(40, 8), n_batch=16,
+        seen = attention.time_attention(model, 1, [5, 6, 7], contexts=(40, 8), n_batch=16,
                                    decodes=3, warmup=1)
     finally:
         model.close()

@@ -61,6 +61,9 @@ def candidates(llm, provider: str, k: int = N_CAND):
     if provider == "draft":
         if llm.draft_path is None:
             raise SpeceeError("the draft provider needs a draft model (--draft)")
+        from ..engine.attention import draft_attention
+
+        draft_attention(llm)   # it decodes the draft on every token
         return DraftCandidates(llm.dft.seq, k=k)
     if provider == "ngram":
         return NgramCandidates(k=k)

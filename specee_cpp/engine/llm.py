@@ -133,8 +133,8 @@ class LLM:
         self.draft_path = draft_path
         self.draft_base_path = variant_base(draft) if draft is not None else None
         self._dft: _Loaded | None = None
-        # the draft context's flash attention: llama.cpp's default until a cost table
-        # measured on this machine says off is cheaper (spec/cost.py, draft_attention)
+        # the draft context's flash attention: llama.cpp's default until the timing
+        # measured on this machine says off is cheaper (engine/attention.py)
         self.draft_flash_attn: bool | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()

@@ -55,6 +55,7 @@ class SpecEE(Mode):
         from ..ee.mode import plan, predictors, require_greedy
         from ..engine.steps import with_note
         from ..spec.decode import generate_spec
+        from ..engine.attention import draft_attention
         from ..spec.mode import draft_policy
         from .verify import HyperVerifier
 
@@ -63,6 +64,7 @@ class SpecEE(Mode):
             raise SpeceeError("mode spec-ee needs a draft model (--draft)")
         pred = predictors(llm, opts.ee)
         policy = draft_policy(llm, opts.spec, kind=opts)
+        draft_attention(llm)
         note_gamma = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
                       + ("" if not policy.plan_is_plain else
                          ": never drafts on this machine's measured costs (plain decoding)"))

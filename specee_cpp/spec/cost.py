@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..config import LONG_BATCHES, MAX_GAMMA, MAX_VERIFY
+from ..config import COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY
 from ..paths import home, write_text_atomic
 
 N_MAX = MAX_VERIFY
@@ -213,76 +213,12 @@ def load_or_measure(key: str, measure) -> CostTable:
     return table
 
 
-# the prompt whose tokens, repeated, fill the caches of a cost measurement (and of a draft
-# variant's screen, spec/variants.py, whose ratios scale this table's draft costs)
-COST_PROMPT = "Write a function that parses a date and explain it."
 
 MEASURE_VERSION = 9   # part of the cache key: a changed method measures again (7: long
 # batches; 8: each sample against a plain token timed just before it; 9: the draft's flash
 # attention chosen first, the draft measured with it)
-# contexts the costs are measured at: a short chat turn and a long one (a 1k-token cache
-# makes a token measurably dearer); past the last, its costs are used
-CONTEXTS = (128, 1024)
-
-
-def time_attention(model, n_threads: int, tokens: list[int], contexts=CONTEXTS,
-                   n_batch: int = 512, decodes: int = 12, warmup: int = 2,
-                   clock=time.perf_counter) -> dict:
-    """Median seconds of one decoded token of ``model`` with llama.cpp's flash attention at
-    its default (on where the backend has it) and off, after each of ``contexts`` cached
-    tokens (``tokens`` repeated): {"contexts": [...], "default": [...], "off": [...]}.
-
-    Two contexts, filled alike, decode in turn, token by token (a machine slowing down
-    slows both). Why measure: on the 2-core AMX Xeon of session 19 the 0.5B draft took 27.3
-    ms a token with flash attention after 1024 tokens and 13.4 ms without, while the 1.5B
-    target was faster with it (scripts/attention_cost.py, docs/BENCHMARKS.md): which is
-    cheaper depends on the model's shape and the machine's kernels."""
-    from ..bindings import Batch, Context
-
-    contexts = sorted(contexts)
-    settings = {"default": None, "off": False}
-    ctxs: dict = {}
-    batch = Batch(n_batch)
-    out: dict = {"contexts": contexts, "default": [], "off": []}
-    try:
-        for name, fa in settings.items():
-            ctxs[name] = Context(model, n_ctx=contexts[-1] + 1, n_batch=n_batch,
-                                 n_threads=n_threads, flash_attn=fa)
-        fill = (tokens * (contexts[-1] // max(len(tokens), 1) + 1))[:contexts[-1]]
-        filled = 0
-        for c in contexts:
-            for ctx in ctxs.values():
-                for s in range(filled, c, n_batch):
-                    batch.set(fill[s:min(s + n_batch, c)], s)
-                    ctx.decode(batch)
-            filled = c
-            times: dict = {name: [] for name in settings}
-            for i in range(warmup + decodes):
-                for name, ctx in ctxs.items():
-                    batch.set([fill[i % len(fill)]], c)
-                    t0 = clock()
-                    ctx.decode(batch)
-                    dt = clock() - t0
-                    ctx.seq_rm(c)
-                    if i >= warmup:
-                        times[name].append(dt)
-            for name in settings:
-                out[name].append(float(np.median(times[name])))
-    finally:
-        for ctx in ctxs.values():
-            ctx.close()
-        batch.close()
-    return out
-
-
-def draft_attention(model, n_threads: int, tokens: list[int], n_ctx: int,
-                    n_batch: int) -> tuple[bool | None, dict]:
-    """(flash attention setting for the draft's context, what was timed): off where its
-    tokens were cheaper without it over the cost table's contexts (summed), else llama.cpp's
-    default (None). Seconds; 12 tokens each way per context."""
-    contexts = sorted({min(c, n_ctx - 1) for c in CONTEXTS})
-    seen = time_attention(model, n_threads, tokens, contexts, n_batch=n_batch)
-    return (False if sum(seen["off"]) < sum(seen["default"]) else None), seen
+# contexts the costs are measured at (config.COST_CONTEXTS); past the last, its costs are used
+CONTEXTS = COST_CONTEXTS
 
 
 def long_sizes(tgt_seq) -> list[int]:

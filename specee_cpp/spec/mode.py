@@ -13,6 +13,7 @@ from typing import Literal
 from ..config import MAX_FREE_VERIFY, MAX_VERIFY
 from ..engine.modes import Mode, no_status, register
 from ..engine.plain import PLAIN
+from ..engine.attention import draft_attention, draft_sha256
 from ..engine.steps import with_note
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR
@@ -57,15 +58,6 @@ def controller_path(draft_sha256: str) -> Path:
     return BUNDLE_DIR / f"controller-{draft_sha256[:16]}.npz"
 
 
-def draft_sha256(llm) -> str:
-    """The draft file's sha256 (keys its cost cache), read without loading the draft: a
-    pair whose costs say "never draft" never loads it."""
-    from ..models.pull import file_sha256
-
-    return llm.cached(("spec", "draft_sha256", llm.draft_path),
-                      lambda: file_sha256(llm.draft_path))
-
-
 def base_sha256(llm) -> str:
     """The sha256 of the model the draft is made from (itself, or a ``NAME:TYPE``/``NAME:vN``
     variant's registry model): keys the shipped controller, which serves its variants."""
@@ -86,8 +78,8 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..provenance import machine, machine_id
-        from .cost import (COST_PROMPT, MEASURE_VERSION, draft_attention, load_or_measure,
-                           measure_table)
+        from ..config import COST_PROMPT
+        from .cost import MEASURE_VERSION, load_or_measure, measure_table
 
         # the machine (CPU features, build, threads, AMX switch) is part of the key: a
         # cache copied to another machine, or a rebuilt library, measures again
@@ -100,9 +92,7 @@ def cost_model(llm, progress=None):
             # the draft's attention first: the table's draft costs are measured with it
             if progress is not None:
                 progress("the draft's flash attention, on and off")
-            fa, seen = draft_attention(llm.dft.model, llm.config.threads, prompt,
-                                       n_ctx=llm.config.n_ctx, n_batch=llm.config.n_batch)
-            llm.set_draft_flash_attn(fa)
+            fa, seen = draft_attention(llm)
             return replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt, progress=progress),
                            machine=where, draft_flash_attn=fa, draft_attention=seen)
 
@@ -289,6 +279,8 @@ class Spec(Mode):
         copy = copy_model(llm) if with_context else None
         if copy is not None:
             note += " (acceptance by the copy model fitted for this target)"
+        if not policy.plan_is_plain:
+            draft_attention(llm)
         dft = None if policy.plan_is_plain else llm.dft.seq
         hist = history_drafts(llm) if opts.history else None
         if hist is not None:

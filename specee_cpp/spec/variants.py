@@ -148,8 +148,9 @@ def draft_ratio(llm, path: Path) -> float:
 
     from ..engine.llm import _Loaded
     from ..provenance import machine, machine_id
-    from .cost import COST_PROMPT, MEASURE_VERSION, cache_path
-    from .mode import draft_sha256
+    from ..config import COST_PROMPT
+    from .cost import MEASURE_VERSION, cache_path
+    from ..engine.attention import draft_sha256
 
     where = machine(llm.config.threads)
     key = f"screen-{draft_sha256(llm)[:12]}-m{machine_id(where)}-v{MEASURE_VERSION}"
