@@ -29,9 +29,9 @@ def main() -> int:
     ns = ap.parse_args()
 
     from specee_cpp.bindings import Model
+    from specee_cpp.engine.attention import time_attention
     from specee_cpp.engine.llm import resolve
     from specee_cpp.provenance import describe, machine
-    from specee_cpp.engine.attention import time_attention
 
     contexts = [int(c) for c in ns.contexts.split(",")]
     tokens = [(1000 + 7 * i) % 30000 + 100 for i in range(max(contexts))]

@@ -423,8 +423,8 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
     from specee_cpp.bindings import Batch
     from specee_cpp.bindings.quantize import quantize
     from specee_cpp.config import LoadConfig
-    from specee_cpp.engine.llm import LLM
     from specee_cpp.engine.attention import choose
+    from specee_cpp.engine.llm import LLM
     from specee_cpp.spec.cost import measure_table
 
     gpu_layers = int(os.environ.get("SPECEE_CPP_TEST_GPU_LAYERS", "0"))
@@ -552,11 +552,10 @@ def markdown(r: dict) -> str:
                          + " | ".join(str(v[str(n)]) for n in (2, 4, 8, 16)) + " |")
         a = m.get("draft_attention")
         if a:
-            def ms(xs):
-                return "/".join(f"{1e3 * x:.2f}" for x in xs)
-            lines += ["", f"Draft attention: flash attention {a['chosen']} (a draft token "
-                          f"{ms(a['default'])} ms with llama.cpp's default, {ms(a['off'])} ms "
-                          f"off, at {'/'.join(map(str, a['contexts']))} tokens of context)."]
+            from specee_cpp.engine.attention import describe
+
+            chosen = False if a["chosen"] == "off" else None
+            lines += ["", f"Draft attention: {describe(chosen, a, digits=2)}."]
         s = m["staged"]
         lines += ["", f"Staged decode ({s['n_layer']} layers), time per token relative to "
                       f"plain decoding ({s['plain_ms']} ms):", "",

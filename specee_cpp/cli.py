@@ -583,7 +583,9 @@ def costs(
 
     err.print(f"measured on: {describe(cm.machine)}")
     if cm.draft_attention:
-        err.print(_draft_attention_line(cm))
+        from .engine.attention import describe as attention
+
+        err.print(f"draft attention: {attention(cm.draft_flash_attn, cm.draft_attention)}")
     machines = [(f"this machine, {p.context}-token context", p) for p in cm.points]
     if gpu_like:
         machines.append(("GPU-like", gpu_shape(cm.points[0], bpw)))
@@ -607,20 +609,6 @@ def costs(
                           f"{c:.2f}" if c > 0 else "none (verification alone loses)")
         out.print(table)
         err.print(_pays_from(m))
-
-
-def _draft_attention_line(cm) -> str:
-    """One line: the draft's flash attention as chosen, with the per-token times seen."""
-    seen = cm.draft_attention
-    ctxs = "/".join(map(str, seen["contexts"]))
-
-    def ms(xs):
-        return "/".join(f"{1e3 * x:.1f}" for x in xs)
-
-    return (f"draft attention: flash attention "
-            f"{'off' if cm.draft_flash_attn is False else 'at llama.cpp default'} (a draft "
-            f"token {ms(seen['default'])} ms with the default, {ms(seen['off'])} ms off, at "
-            f"{ctxs} tokens of context)")
 
 
 def _pays_from(m) -> str:

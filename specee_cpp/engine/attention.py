@@ -29,10 +29,7 @@ def time_attention(model, n_threads: int, tokens: list[int], contexts=COST_CONTE
     tokens (``tokens`` repeated): {"contexts": [...], "default": [...], "off": [...]}.
 
     Two contexts, filled alike, decode in turn, token by token (a machine slowing down
-    slows both). Why measure: on the 2-core AMX Xeon of session 19 the 0.5B draft took 27.3
-    ms a token with flash attention after 1024 tokens and 13.4 ms without, while the 1.5B
-    target was faster with it (scripts/attention_cost.py, docs/BENCHMARKS.md): which is
-    cheaper depends on the model's shape and the machine's kernels."""
+    slows both)."""
     from ..bindings import Batch, Context
 
     contexts = sorted(contexts)
@@ -72,22 +69,13 @@ def time_attention(model, n_threads: int, tokens: list[int], contexts=COST_CONTE
 
 
 def choose(model, n_threads: int, tokens: list[int],
-                    n_batch: int) -> tuple[bool | None, dict]:
+           n_batch: int) -> tuple[bool | None, dict]:
     """(flash attention setting for the draft's context, what was timed): off where its
     tokens were cheaper without it over the cost table's contexts (summed), else llama.cpp's
     default (None). Seconds; 12 tokens each way per context, in contexts of its own (the
     draft's own may be smaller)."""
     seen = time_attention(model, n_threads, tokens, COST_CONTEXTS, n_batch=n_batch)
     return (False if sum(seen["off"]) < sum(seen["default"]) else None), seen
-
-
-def draft_sha256(llm) -> str:
-    """The draft file's sha256 (keys its cost and attention caches), read without loading
-    the draft: a pair whose costs say "never draft" never loads it."""
-    from ..models.pull import file_sha256
-
-    return llm.cached(("spec", "draft_sha256", llm.draft_path),
-                      lambda: file_sha256(llm.draft_path))
 
 
 def draft_attention(llm) -> tuple[bool | None, dict]:
@@ -100,7 +88,7 @@ def draft_attention(llm) -> tuple[bool | None, dict]:
 
     def make():
         where = machine(llm.config.threads)
-        path = home() / "costs" / (f"attention-{draft_sha256(llm)[:12]}-m{machine_id(where)}"
+        path = home() / "costs" / (f"attention-{llm.draft_sha256()[:12]}-m{machine_id(where)}"
                                    f"-v{VERSION}.json")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -116,6 +104,16 @@ def draft_attention(llm) -> tuple[bool | None, dict]:
     fa, seen = llm.cached(("attention", llm.draft_path), make)
     llm.set_draft_flash_attn(fa)
     return fa, seen
+
+
+def describe(flash_attn: bool | None, seen: dict, digits: int = 1) -> str:
+    """The choice and what was timed, in one phrase (``costs``, the GPU check's report)."""
+    def ms(xs):
+        return "/".join(f"{1e3 * x:.{digits}f}" for x in xs)
+
+    return (f"flash attention {'off' if flash_attn is False else 'at llama.cpp default'} "
+            f"(a draft token {ms(seen['default'])} ms with the default, {ms(seen['off'])} ms "
+            f"off, at {'/'.join(map(str, seen['contexts']))} tokens of context)")
 
 
 def use_draft_attention(llm, flash_attn: bool | None) -> None:

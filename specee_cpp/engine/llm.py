@@ -160,6 +160,14 @@ class LLM:
         if self._dft is not None:
             self._dft.reopen(flash_attn)
 
+    def draft_sha256(self) -> str:
+        """The draft file's sha256 (keys its cost and attention caches), read without
+        loading the draft: a pair whose costs say "never draft" never loads it."""
+        from ..models.pull import file_sha256
+
+        return self.cached(("draft_sha256", self.draft_path),
+                           lambda: file_sha256(self.draft_path))
+
     @property
     def draft_loaded(self) -> bool:
         return self._dft is not None

@@ -53,9 +53,9 @@ class SpecEE(Mode):
 
     def start(self, llm, sampling, opts):
         from ..ee.mode import plan, predictors, require_greedy
+        from ..engine.attention import draft_attention
         from ..engine.steps import with_note
         from ..spec.decode import generate_spec
-        from ..engine.attention import draft_attention
         from ..spec.mode import draft_policy
         from .verify import HyperVerifier
 

@@ -141,9 +141,9 @@ class CostTable:
     points: list[CostModel]       # by increasing context
     key: str = ""
     machine: dict = field(default_factory=dict)
-    # the draft's flash attention, as measured here (draft_attention): None for llama.cpp's
-    # default, False where off made the draft's tokens cheaper; the points were measured
-    # with it, and the draft runs with it
+    # the draft's flash attention the points were measured with (engine/attention.py,
+    # which keeps the setting the draft runs with): None for llama.cpp's default, False
+    # where off made the draft's tokens cheaper
     draft_flash_attn: bool | None = None
     draft_attention: dict = field(default_factory=dict)   # what time_attention saw
 
@@ -211,7 +211,6 @@ def load_or_measure(key: str, measure) -> CostTable:
     table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
     write_text_atomic(path, json.dumps(asdict(table)))
     return table
-
 
 
 MEASURE_VERSION = 9   # part of the cache key: a changed method measures again (7: long

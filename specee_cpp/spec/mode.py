@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Literal
 
 from ..config import MAX_FREE_VERIFY, MAX_VERIFY
+from ..engine.attention import draft_attention
 from ..engine.modes import Mode, no_status, register
 from ..engine.plain import PLAIN
-from ..engine.attention import draft_attention, draft_sha256
 from ..engine.steps import with_note
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR
@@ -77,14 +77,14 @@ def cost_model(llm, progress=None):
     def make():
         from dataclasses import replace
 
-        from ..provenance import machine, machine_id
         from ..config import COST_PROMPT
+        from ..provenance import machine, machine_id
         from .cost import MEASURE_VERSION, load_or_measure, measure_table
 
         # the machine (CPU features, build, threads, AMX switch) is part of the key: a
         # cache copied to another machine, or a rebuilt library, measures again
         where = machine(llm.config.threads)
-        key = (f"{llm.model.sha256[:12]}-{draft_sha256(llm)[:12]}"
+        key = (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
         prompt = llm.prompt_tokens(COST_PROMPT)
 
@@ -97,7 +97,7 @@ def cost_model(llm, progress=None):
                            machine=where, draft_flash_attn=fa, draft_attention=seen)
 
         table = load_or_measure(key, measure)
-        llm.set_draft_flash_attn(table.draft_flash_attn)
+        draft_attention(llm)   # the setting the draft runs with (the table's is a record)
         return table
 
     return llm.cached(("spec", "costs"), make)
@@ -279,9 +279,10 @@ class Spec(Mode):
         copy = copy_model(llm) if with_context else None
         if copy is not None:
             note += " (acceptance by the copy model fitted for this target)"
+        dft = None
         if not policy.plan_is_plain:
-            draft_attention(llm)
-        dft = None if policy.plan_is_plain else llm.dft.seq
+            draft_attention(llm)   # before the draft's context is first used
+            dft = llm.dft.seq
         hist = history_drafts(llm) if opts.history else None
         if hist is not None:
             note += f"; and from your {len(hist.trie)} earlier output tokens"

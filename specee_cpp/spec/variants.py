@@ -146,14 +146,13 @@ def draft_ratio(llm, path: Path) -> float:
     (one file per loaded draft, a ratio per variant file)."""
     import numpy as np
 
+    from ..config import COST_PROMPT
     from ..engine.llm import _Loaded
     from ..provenance import machine, machine_id
-    from ..config import COST_PROMPT
     from .cost import MEASURE_VERSION, cache_path
-    from ..engine.attention import draft_sha256
 
     where = machine(llm.config.threads)
-    key = f"screen-{draft_sha256(llm)[:12]}-m{machine_id(where)}-v{MEASURE_VERSION}"
+    key = f"screen-{llm.draft_sha256()[:12]}-m{machine_id(where)}-v{MEASURE_VERSION}"
     cache = cache_path(key)
     try:
         cached = json.loads(cache.read_text(encoding="utf-8"))
