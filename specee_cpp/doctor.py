@@ -8,8 +8,8 @@ from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
-from .provenance import (AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV, amx_rows_override,
-                         amx_switched_off)
+from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
+                         amx_fused_override, amx_rows_override, amx_switched_off)
 
 
 def cpu_has_amx() -> bool:
@@ -28,11 +28,16 @@ def amx_state(system_info: str) -> str:
                 if cpu_has_amx() else "not compiled in (this CPU has no AMX)")
     if amx_switched_off():
         return f"compiled in, off ({NO_AMX_ENV} / --no-amx)"
-    rows = amx_rows_override()
-    batches = (f"batches of up to {rows} rows row by row ({AMX_ROWS_ENV})" if rows is not None
-               else f"batches of 2-{AMX_ROWS_DEFAULT} rows row by row, patch 0009 "
+    rows, fused = amx_rows_override(), amx_fused_override()
+    together = ("every batch" if fused is None else "none" if fused < 2
+                else f"batches of up to {fused} rows")
+    together = (f"Q4_K/Q6_K weights: {together} several rows at once, patch 0010 "
+                f"({AMX_FUSED_ENV}=0: off)")
+    batches = (f"other types: batches of up to {rows} rows row by row ({AMX_ROWS_ENV})"
+               if rows is not None
+               else f"other types: batches of 2-{AMX_ROWS_DEFAULT} rows row by row, patch 0009 "
                     f"({AMX_ROWS_ENV}=1: upstream)")
-    return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1); {batches}"
+    return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1); {together}; {batches}"
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 
 from .memory import huge_pages_wanted, thp_mode
 
@@ -21,6 +22,9 @@ NO_AMX_ENV = "GGML_CPU_NO_AMX"
 
 AMX_ROWS_ENV = "GGML_AMX_VNNI_ROWS"   # patch 0009: batches up to this many rows row by row
 AMX_ROWS_DEFAULT = 4                  # the patch's value when the variable is unset
+# patch 0010: Q4_K/Q6_K batches of up to this many rows several rows at once (unset: every
+# batch; 0: none, they go row by row like the other types)
+AMX_FUSED_ENV = "GGML_AMX_VNNI_FUSED_ROWS"
 
 
 def amx_rows_override() -> int | None:
@@ -31,6 +35,13 @@ def amx_rows_override() -> int | None:
     except ValueError:
         return None
     return n if n >= 1 and n != AMX_ROWS_DEFAULT else None
+
+
+def amx_fused_override() -> int | None:
+    """Patch 0010's row limit where this process's environment sets one (else None), read
+    as the patch reads it: the leading digits of a value that starts with one."""
+    m = re.match(r"\d+", os.environ.get(AMX_FUSED_ENV, ""))
+    return int(m.group()) if m else None
 
 
 def amx_switched_off() -> bool:
@@ -80,8 +91,9 @@ def machine(n_threads: int) -> dict:
 def _amx_on() -> str:
     # a row limit other than the default is another machine for the cost cache: it moves
     # the price of verifying 2-8 tokens by up to a third (docs/AMX.md)
-    rows = amx_rows_override()
-    return "on" if rows is None else f"on, {AMX_ROWS_ENV}={rows}"
+    rows, fused = amx_rows_override(), amx_fused_override()
+    return ", ".join(["on"] + ([f"{AMX_ROWS_ENV}={rows}"] if rows is not None else [])
+                     + ([f"{AMX_FUSED_ENV}={fused}"] if fused is not None else []))
 
 
 def machine_id(m: dict) -> str:

@@ -28,7 +28,7 @@ N_LAYER = 4
 N_VOCAB = 320  # a multiple of 16: the head is repacked
 PROMPT = [1, 300, 301, 302, 303, 304, 305, 306]
 # name -> (llama_ftype, ggml type of head and embeddings)
-QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "IQ4_NL": (25, 20)}
+QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "Q6_K": (18, 14), "IQ4_NL": (25, 20)}
 # Both paths quantize activations to 8 bits per block, but repacked kernels sum in another
 # order (and AMX in int32 tiles): measured up to 7% of the logits' spread (Q4_K); a broken
 # kernel is off by about 100%.
@@ -120,14 +120,19 @@ def real_kernels(directory: str, quant: str) -> None:
     print("ok")
 
 
+BATCH_ROWS = (2, 3, 4, 5, 9, 16)
+
+
 def small_batch_rows(directory: str, quant: str) -> None:
-    """Each row of a 2-4 token batch (a verification) equals the same token decoded alone,
-    bit for bit, where the batch is computed row by row (AMX: patch 0009); prints the
-    largest |difference| of each batch size's rows."""
+    """Each row of a batch of 2-16 tokens (a verification) equals the same token decoded
+    alone, bit for bit, on AMX: row by row with the one-row kernel (patch 0009), several rows
+    at once (patch 0010: Q4_K/Q6_K, groups of up to 8 rows, so 9 = 5 + 4 and 16 = 8 + 8) or
+    the tiles (above 4 rows of the other types); prints the largest |difference| of each
+    batch size's rows."""
     path = make_model(Path(directory), quant)
     model = Model(path)
     b = Batch(16)
-    nxt = [307, 308, 309, 310]
+    nxt = list(range(304, 320))
     alone = ctx_of(model)
     b.set(PROMPT, 0)
     alone.decode(b)
@@ -137,7 +142,7 @@ def small_batch_rows(directory: str, quant: str) -> None:
         alone.decode(b)
         singles.append(alone.logits(-1))
     diffs = []
-    for n in (2, 3, 4):
+    for n in BATCH_ROWS:
         batched = ctx_of(model)
         b.set(PROMPT, 0)
         batched.decode(b)

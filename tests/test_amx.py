@@ -112,19 +112,22 @@ def test_amx_kernels_match_plain_kernels(tmp_path):
     # with AMX compiled in and on, the extra buffer is AMX: compare with extra buffers off
     from test_real_kernels import child
 
-    for quant in ("Q4_0", "Q4_K"):
+    for quant in ("Q4_0", "Q4_K", "Q6_K"):
         assert child("real_kernels", str(tmp_path), quant) == "ok"
 
 
 @pytest.mark.skipif("not system_has_amx()", reason="this CPU/build has no AMX (AMX_INT8 = 0)")
 def test_small_batches_on_amx_equal_one_row_decodes(tmp_path):
     # patch 0009 computes 2-4 row batches (verifications) row by row with the one-row
-    # kernel: each row must be that token's own row, equal to decoding it alone (a wrong
-    # row offset would repeat row 0 or read another row's activations)
+    # kernel, patch 0010 Q4_K/Q6_K batches several rows at once: each row must be that
+    # token's own row, equal to decoding it alone (a wrong row offset or group split would
+    # repeat a row or read another row's activations)
+    from kernel_checks import BATCH_ROWS
     from test_real_kernels import child
 
-    for quant in ("Q4_0", "Q4_K"):
-        assert child("small_batch_rows", str(tmp_path), quant) == "0 0 0", quant
+    for quant in ("Q4_0", "Q4_K", "Q6_K"):
+        assert child("small_batch_rows", str(tmp_path), quant) == \
+            " ".join("0" for _ in BATCH_ROWS), quant
 
 
 def test_native_wheel_key_follows_the_cpu(monkeypatch):

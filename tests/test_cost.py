@@ -300,8 +300,9 @@ def test_cache_writes_are_whole_or_absent(tmp_path, monkeypatch):
 
 
 def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
-    # patch 0009's GGML_AMX_VNNI_ROWS moves small batches' cost: tables measured under
-    # another limit must not be reused (the default, set or not, is the same machine)
+    # patch 0009's GGML_AMX_VNNI_ROWS and 0010's GGML_AMX_VNNI_FUSED_ROWS move small
+    # batches' cost: tables measured under another limit must not be reused (the default,
+    # set or not, is the same machine)
     from specee_cpp.doctor import amx_state
 
     monkeypatch.delenv(provenance.AMX_ROWS_ENV, raising=False)
@@ -313,6 +314,16 @@ def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "up to 1 rows" in amx_state("AMX_INT8 = 1")
     monkeypatch.setenv(provenance.AMX_ROWS_ENV, "x")
     assert provenance._amx_on() == "on"
+    # patch 0010's limit on K-quant rows together: read as the C reads it (leading digits)
+    monkeypatch.delenv(provenance.AMX_ROWS_ENV)
+    monkeypatch.setenv(provenance.AMX_FUSED_ENV, "0")
+    assert provenance._amx_on() == "on, GGML_AMX_VNNI_FUSED_ROWS=0"
+    assert "Q4_K/Q6_K weights: none several rows at once" in amx_state("AMX_INT8 = 1")
+    monkeypatch.setenv(provenance.AMX_FUSED_ENV, "8rows")
+    assert provenance._amx_on() == "on, GGML_AMX_VNNI_FUSED_ROWS=8"
+    monkeypatch.setenv(provenance.AMX_FUSED_ENV, "x")
+    assert provenance._amx_on() == "on"
+    assert "every batch several rows at once" in amx_state("AMX_INT8 = 1")
 
 
 def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-QUANTS = ["Q4_0", "Q4_K", "IQ4_NL"]
+QUANTS = ["Q4_0", "Q4_K", "Q6_K", "IQ4_NL"]
 
 
 @pytest.fixture(scope="module")
