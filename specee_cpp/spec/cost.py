@@ -216,8 +216,6 @@ def load_or_measure(key: str, measure) -> CostTable:
 MEASURE_VERSION = 9   # part of the cache key: a changed method measures again (7: long
 # batches; 8: each sample against a plain token timed just before it; 9: the draft's flash
 # attention chosen first, the draft measured with it)
-# contexts the costs are measured at (config.COST_CONTEXTS); past the last, its costs are used
-CONTEXTS = COST_CONTEXTS
 
 
 def long_sizes(tgt_seq) -> list[int]:
@@ -227,7 +225,7 @@ def long_sizes(tgt_seq) -> list[int]:
     return [n for n in LONG_BATCHES if n <= ctx.n_batch and n < ctx.n_ctx // 4]
 
 
-def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
+def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=COST_CONTEXTS,
                   repeats: int = 5, progress: Callable[[str], Any] | None = None
                   ) -> CostTable:
     """:func:`measure` at each context the caches can hold (fewer in a small context);
@@ -247,7 +245,7 @@ def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=CONTEXTS,
 
 
 def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
-            n_context: int = CONTEXTS[0], clock=time.perf_counter,
+            n_context: int = COST_CONTEXTS[0], clock=time.perf_counter,
             progress: Callable[[str], Any] | None = None) -> CostModel:
     """Time what decoding does, after ``n_context`` cached tokens (``tokens`` repeated):
     plain steps (single target decodes in a row, before the draft has run at all), and
