@@ -9,7 +9,8 @@ from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
 from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
-                         amx_fused_override, amx_rows_override, amx_switched_off)
+                         REPACK_FUSED_DEFAULT, REPACK_FUSED_ENV, amx_fused_override,
+                         amx_rows_override, amx_switched_off, repack_fused_override)
 
 
 def cpu_has_amx() -> bool:
@@ -40,6 +41,19 @@ def amx_state(system_info: str) -> str:
     return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1); {together}; {batches}"
 
 
+def repack_state(system_info: str) -> str:
+    """How llama.cpp's repacked Q4_K weights (x86 with AVX2) take a batch of a few rows."""
+    if "REPACK = 1" not in system_info or "AVX2 = 1" not in system_info:
+        return "not used (no x86 repacked kernels in this build)"
+    n = repack_fused_override()
+    limit = REPACK_FUSED_DEFAULT if n is None else n
+    rows = (f"batches of 2-{limit} rows several rows at once, patch 0011" if limit >= 2
+            else "upstream's gemm and gemv (none several rows at once)")
+    amx = (" (AMX on: the AMX buffer takes Q4_K, patch 0010; this applies with --no-amx)"
+           if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
+    return f"repacked Q4_K weights: {rows} ({REPACK_FUSED_ENV}=0: upstream){amx}"
+
+
 def diagnose() -> tuple[list[tuple[str, str]], bool]:
     rows: list[tuple[str, str]] = []
     ok = True
@@ -55,6 +69,7 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
              "not in this build (rebuild with CMAKE_ARGS=-DGGML_CUDA=on, or Metal on macOS)"),
             ("CPU features", info["system_info"]),
             ("AMX", amx_state(info["system_info"])),
+            ("CPU repack", repack_state(info["system_info"])),
             ("huge pages", memory.describe()),
         ]
         from .probe import run_probe

@@ -27,6 +27,13 @@ AMX_ROWS_DEFAULT = 4                  # the patch's value when the variable is u
 AMX_FUSED_ENV = "GGML_AMX_VNNI_FUSED_ROWS"
 
 
+# patch 0011: repacked Q4_K weights (x86 with AVX2, weights not in the AMX buffer) take
+# batches of 2 up to this many rows several rows at once (unset: 15; 0 or 1: upstream's
+# 4-row gemm and one-row gemv)
+REPACK_FUSED_ENV = "GGML_REPACK_FUSED_ROWS"
+REPACK_FUSED_DEFAULT = 15
+
+
 def amx_rows_override() -> int | None:
     """Patch 0009's row limit where this process's environment sets one other than its
     default (else None), read as the patch reads it (a value below 1 is ignored there)."""
@@ -42,6 +49,14 @@ def amx_fused_override() -> int | None:
     as the patch reads it: the leading digits of a value that starts with one."""
     m = re.match(r"\d+", os.environ.get(AMX_FUSED_ENV, ""))
     return int(m.group()) if m else None
+
+
+def repack_fused_override() -> int | None:
+    """Patch 0011's row limit where this process's environment sets one other than its
+    default (else None), read as the patch reads it: the leading digits of a value that
+    starts with one."""
+    m = re.match(r"\d+", os.environ.get(REPACK_FUSED_ENV, ""))
+    return int(m.group()) if m and int(m.group()) != REPACK_FUSED_DEFAULT else None
 
 
 def amx_switched_off() -> bool:
@@ -85,7 +100,12 @@ def machine(n_threads: int) -> dict:
     return {"cpu": _cpu_name(), "features": feats, "threads": int(n_threads), "build": build,
             "amx": "absent" if "AMX_INT8" not in feats else
             ("off" if amx_switched_off() else _amx_on()),
-            "pages": thp if huge_pages_wanted() else f"{thp}, off"}
+            "pages": thp if huge_pages_wanted() else f"{thp}, off",
+            # a row limit set by hand moves the price of verifying 2-15 tokens (docs/AMX.md,
+            # "Repacked Q4_K rows together"); only then is it part of the machine, so that
+            # tables measured before the variable existed keep their key
+            **({"repack": f"{REPACK_FUSED_ENV}={n}"} if (n := repack_fused_override()) is not None
+               else {})}
 
 
 def _amx_on() -> str:
@@ -106,4 +126,5 @@ def describe(m: dict | None) -> str:
         return "machine not recorded"
     return (f"{m.get('cpu', '?')} ({m.get('features', '?')}), {m.get('threads', '?')} threads, "
             f"build {m.get('build', '?')}, AMX {m.get('amx', '?')}"
-            + (f", huge pages {m['pages']}" if "pages" in m else ""))
+            + (f", huge pages {m['pages']}" if "pages" in m else "")
+            + (f", {m['repack']}" if "repack" in m else ""))

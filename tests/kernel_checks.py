@@ -123,12 +123,16 @@ def real_kernels(directory: str, quant: str) -> None:
 BATCH_ROWS = (2, 3, 4, 5, 9, 16)
 
 
-def small_batch_rows(directory: str, quant: str) -> None:
+def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "all") -> None:
     """Each row of a batch of 2-16 tokens (a verification) equals the same token decoded
     alone, bit for bit, on AMX: row by row with the one-row kernel (patch 0009), several rows
     at once (patch 0010: Q4_K/Q6_K, groups of up to 8 rows, so 9 = 5 + 4 and 16 = 8 + 8) or
-    the tiles (above 4 rows of the other types); prints the largest |difference| of each
-    batch size's rows."""
+    the tiles (above 4 rows of the other types); and on x86's repacked Q4_K (patch 0011):
+    batches of up to 15 rows at once, in groups of up to 4 (9 = 4 + 3 + 2), else the rows
+    the 4-row gemm leaves. Prints the largest |difference| of each batch size's rows (rows:
+    comma-separated sizes, default BATCH_ROWS; part "tail": only the rows after the last
+    whole group of 4, those the gemm leaves)."""
+    sizes = [int(n) for n in rows.split(",")] if rows else list(BATCH_ROWS)
     path = make_model(Path(directory), quant)
     model = Model(path)
     b = Batch(16)
@@ -142,15 +146,16 @@ def small_batch_rows(directory: str, quant: str) -> None:
         alone.decode(b)
         singles.append(alone.logits(-1))
     diffs = []
-    for n in BATCH_ROWS:
+    for n in sizes:
         batched = ctx_of(model)
         b.set(PROMPT, 0)
         batched.decode(b)
         b.set(nxt[:n], len(PROMPT), output_last_only=False)
         batched.decode(b)
-        rows, alone_rows = all_logits(batched, n), np.stack(singles[:n])
-        close(rows, alone_rows, f"{quant}: batch of {n} vs one at a time")
-        diffs.append(float(np.max(np.abs(rows - alone_rows))))
+        got, alone_rows = all_logits(batched, n), np.stack(singles[:n])
+        close(got, alone_rows, f"{quant}: batch of {n} vs one at a time")
+        first = n - n % 4 if part == "tail" else 0
+        diffs.append(float(np.max(np.abs(got[first:] - alone_rows[first:]))))
         batched.close()
     alone.close()
     model.close()

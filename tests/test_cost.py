@@ -326,6 +326,31 @@ def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "every batch several rows at once" in amx_state("AMX_INT8 = 1")
 
 
+def test_a_repack_row_limit_set_by_hand_is_another_machine(monkeypatch):
+    # patch 0011's GGML_REPACK_FUSED_ROWS moves the price of verifying 2-15 tokens on x86
+    # without AMX: a limit other than the default is another machine, read as the C reads it
+    from specee_cpp.doctor import repack_state
+
+    info = "AVX2 = 1 | REPACK = 1"
+    monkeypatch.delenv(provenance.REPACK_FUSED_ENV, raising=False)
+    base = provenance.machine(2)
+    assert "repack" not in base and "batches of 2-15 rows" in repack_state(info)
+    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
+    assert provenance.machine(2) == base
+    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "0")
+    off = provenance.machine(2)
+    assert off["repack"] == "GGML_REPACK_FUSED_ROWS=0"
+    assert provenance.machine_id(off) != provenance.machine_id(base)
+    assert "GGML_REPACK_FUSED_ROWS=0" in provenance.describe(off)
+    assert "upstream's gemm and gemv" in repack_state(info)
+    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "8rows")
+    assert provenance.machine(2)["repack"] == "GGML_REPACK_FUSED_ROWS=8"
+    assert "batches of 2-8 rows" in repack_state(info)
+    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "x")
+    assert provenance.machine(2) == base
+    assert repack_state("AVX2 = 1 | REPACK = 0").startswith("not used")
+
+
 def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkeypatch):
     """The draft's flash attention is timed on and off before its costs (the cheaper one
     chosen, the costs measured with it), kept in the cached table, and applied to the draft's

@@ -53,3 +53,29 @@ def test_layer_capture_and_stage_are_exclusive(kdir):
 
 def test_several_sequences(kdir):
     assert child("multi_sequence", str(kdir), "Q4_0") == "ok"
+
+
+def system_repacks_x86() -> bool:
+    from specee_cpp.bindings import library_info
+
+    info = library_info()["system_info"]
+    return "REPACK = 1" in info and "AVX2 = 1" in info
+
+
+@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
+def test_small_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch):
+    # patch 0011 takes a verification batch of 2-15 rows against repacked Q4_K weights
+    # several rows at once, and the 1-3 rows the 4-row gemm leaves of a longer one: each row
+    # must equal that token decoded alone (upstream's gemm differs by ~0.2 from 4 rows on).
+    # With AMX on, the AMX buffer takes these weights: switch it off so the repack runs.
+    monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
+    monkeypatch.delenv("GGML_REPACK_FUSED_ROWS", raising=False)
+    assert child("small_batch_rows", str(kdir), "Q4_K", "2,3,4,5,9,15") == "0 0 0 0 0 0"
+    # a limit of 3: batches of 4 and more take the gemm and the rows it leaves go together;
+    # those rows attend to the gemm's rows, so they differ from one-at-a-time decodes as
+    # upstream's do, but by exactly as much as upstream's (its gemv row by row, limit 0)
+    monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "3")
+    together = child("small_batch_rows", str(kdir), "Q4_K", "2,3,6,7,11", "tail")
+    monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "0")
+    upstream = child("small_batch_rows", str(kdir), "Q4_K", "2,3,6,7,11", "tail")
+    assert together == upstream and together.startswith("0 0 "), (together, upstream)
