@@ -9,7 +9,8 @@ between (on x86, llama.cpp's repacked Q4_K gemm runs 16-row groups with AVX-512 
 rest in 4-row groups, so multiples of 16 are local minima). llama.cpp's own switches apply:
 `GGML_CPU_TILED_MM=0 python scripts/verify_curve.py` turns off its tiled K-quant matmul,
 which it takes from 8 rows; `GGML_REPACK_FUSED_ROWS=0` (patch 0011, x86 without AMX) restores
-upstream's 4-row gemm and one-row gemv for repacked Q4_K.
+upstream's 4-row gemm and one-row gemv for repacked Q4_K, `GGML_Q6_K_FUSED_ROWS=0` (patch 0012)
+its dot per row pair (and tiled matmul from 8 rows) for Q6_K.
 
     python scripts/verify_curve.py [model] [--sizes 1-64] [--repeats 5] [--context 128]
 """

@@ -9,8 +9,9 @@ from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
 from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
-                         REPACK_FUSED_DEFAULT, REPACK_FUSED_ENV, amx_fused_override,
-                         amx_rows_override, amx_switched_off, repack_fused_override)
+                         Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_DEFAULT,
+                         REPACK_FUSED_ENV, amx_fused_override, amx_rows_override,
+                         amx_switched_off, q6k_fused_override, repack_fused_override)
 
 
 def cpu_has_amx() -> bool:
@@ -42,16 +43,23 @@ def amx_state(system_info: str) -> str:
 
 
 def repack_state(system_info: str) -> str:
-    """How llama.cpp's repacked Q4_K weights (x86 with AVX2) take a batch of a few rows."""
-    if "REPACK = 1" not in system_info or "AVX2 = 1" not in system_info:
-        return "not used (no x86 repacked kernels in this build)"
-    n = repack_fused_override()
-    limit = REPACK_FUSED_DEFAULT if n is None else n
-    rows = (f"batches of 2-{limit} rows several rows at once, patch 0011" if limit >= 2
-            else "upstream's gemm and gemv (none several rows at once)")
-    amx = (" (AMX on: the AMX buffer takes Q4_K, patch 0010; this applies with --no-amx)"
-           if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
-    return f"repacked Q4_K weights: {rows} ({REPACK_FUSED_ENV}=0: upstream){amx}"
+    """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011)
+    and Q6_K (patch 0012)."""
+    if "AVX2 = 1" not in system_info:
+        return "not used (no x86 AVX2 kernels in this build)"
+
+    def rows(override: int | None, default: int, patch: str) -> str:
+        limit = default if override is None else override
+        return (f"batches of 2-{limit} rows several rows at once, patch {patch}" if limit >= 2
+                else "upstream's kernels (none several rows at once)")
+
+    q4k = (rows(repack_fused_override(), REPACK_FUSED_DEFAULT, "0011")
+           if "REPACK = 1" in system_info else "not repacked in this build")
+    amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
+           "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
+    return (f"repacked Q4_K weights: {q4k} ({REPACK_FUSED_ENV}=0: upstream); Q6_K weights: "
+            f"{rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, '0012')} ({Q6K_FUSED_ENV}=0: "
+            f"upstream){amx}")
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:

@@ -34,6 +34,13 @@ REPACK_FUSED_ENV = "GGML_REPACK_FUSED_ROWS"
 REPACK_FUSED_DEFAULT = 15
 
 
+# patch 0012: Q6_K weights (not repacked on x86) take batches of 2 up to this many rows one
+# weight row against all rows at once (unset: 16; 0 or 1: upstream's dot per pair; from 8
+# rows llama.cpp's tiled matmul runs first)
+Q6K_FUSED_ENV = "GGML_Q6_K_FUSED_ROWS"
+Q6K_FUSED_DEFAULT = 16
+
+
 def amx_rows_override() -> int | None:
     """Patch 0009's row limit where this process's environment sets one other than its
     default (else None), read as the patch reads it (a value below 1 is ignored there)."""
@@ -51,12 +58,23 @@ def amx_fused_override() -> int | None:
     return int(m.group()) if m else None
 
 
+def _leading_int(env: str, default: int) -> int | None:
+    # as patches 0010-0012 read their limits: the leading digits of a value that starts
+    # with one; None where unset, unreadable or the default
+    m = re.match(r"\d+", os.environ.get(env, ""))
+    return int(m.group()) if m and int(m.group()) != default else None
+
+
 def repack_fused_override() -> int | None:
     """Patch 0011's row limit where this process's environment sets one other than its
-    default (else None), read as the patch reads it: the leading digits of a value that
-    starts with one."""
-    m = re.match(r"\d+", os.environ.get(REPACK_FUSED_ENV, ""))
-    return int(m.group()) if m and int(m.group()) != REPACK_FUSED_DEFAULT else None
+    default (else None), read as the patch reads it."""
+    return _leading_int(REPACK_FUSED_ENV, REPACK_FUSED_DEFAULT)
+
+
+def q6k_fused_override() -> int | None:
+    """Patch 0012's row limit where this process's environment sets one other than its
+    default (else None), read as the patch reads it."""
+    return _leading_int(Q6K_FUSED_ENV, Q6K_FUSED_DEFAULT)
 
 
 def amx_switched_off() -> bool:
@@ -102,10 +120,15 @@ def machine(n_threads: int) -> dict:
             ("off" if amx_switched_off() else _amx_on()),
             "pages": thp if huge_pages_wanted() else f"{thp}, off",
             # a row limit set by hand moves the price of verifying 2-15 tokens (docs/AMX.md,
-            # "Repacked Q4_K rows together"); only then is it part of the machine, so that
-            # tables measured before the variable existed keep their key
-            **({"repack": f"{REPACK_FUSED_ENV}={n}"} if (n := repack_fused_override()) is not None
-               else {})}
+            # "x86 without AMX"); only then is it part of the machine, so that tables
+            # measured before the variables existed keep their key
+            **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {})}
+
+
+def row_limits_set() -> list[str]:
+    """Patches 0011/0012's row limits set by hand in this process's environment."""
+    return [f"{env}={n}" for env, n in ((REPACK_FUSED_ENV, repack_fused_override()),
+                                        (Q6K_FUSED_ENV, q6k_fused_override())) if n is not None]
 
 
 def _amx_on() -> str:
@@ -127,4 +150,4 @@ def describe(m: dict | None) -> str:
     return (f"{m.get('cpu', '?')} ({m.get('features', '?')}), {m.get('threads', '?')} threads, "
             f"build {m.get('build', '?')}, AMX {m.get('amx', '?')}"
             + (f", huge pages {m['pages']}" if "pages" in m else "")
-            + (f", {m['repack']}" if "repack" in m else ""))
+            + (f", {m['rows']}" if "rows" in m else ""))

@@ -326,29 +326,41 @@ def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "every batch several rows at once" in amx_state("AMX_INT8 = 1")
 
 
-def test_a_repack_row_limit_set_by_hand_is_another_machine(monkeypatch):
-    # patch 0011's GGML_REPACK_FUSED_ROWS moves the price of verifying 2-15 tokens on x86
-    # without AMX: a limit other than the default is another machine, read as the C reads it
+def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
+    # patch 0011's GGML_REPACK_FUSED_ROWS and 0012's GGML_Q6_K_FUSED_ROWS move the price of
+    # verifying 2-15 tokens on x86 without AMX: a limit other than the default is another
+    # machine, read as the C reads it
     from specee_cpp.doctor import repack_state
 
     info = "AVX2 = 1 | REPACK = 1"
     monkeypatch.delenv(provenance.REPACK_FUSED_ENV, raising=False)
+    monkeypatch.delenv(provenance.Q6K_FUSED_ENV, raising=False)
     base = provenance.machine(2)
-    assert "repack" not in base and "batches of 2-15 rows" in repack_state(info)
+    assert "rows" not in base
+    assert "Q4_K weights: batches of 2-15 rows" in repack_state(info)
+    assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
+    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "16")
     assert provenance.machine(2) == base
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "0")
     off = provenance.machine(2)
-    assert off["repack"] == "GGML_REPACK_FUSED_ROWS=0"
+    assert off["rows"] == "GGML_REPACK_FUSED_ROWS=0"
     assert provenance.machine_id(off) != provenance.machine_id(base)
     assert "GGML_REPACK_FUSED_ROWS=0" in provenance.describe(off)
-    assert "upstream's gemm and gemv" in repack_state(info)
+    assert "Q4_K weights: upstream's kernels" in repack_state(info)
+    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "1")
+    both = provenance.machine(2)
+    assert both["rows"] == "GGML_REPACK_FUSED_ROWS=0, GGML_Q6_K_FUSED_ROWS=1"
+    assert provenance.machine_id(both) != provenance.machine_id(off)
+    assert "Q6_K weights: upstream's kernels" in repack_state(info)
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "8rows")
-    assert provenance.machine(2)["repack"] == "GGML_REPACK_FUSED_ROWS=8"
-    assert "batches of 2-8 rows" in repack_state(info)
+    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "x")
+    assert provenance.machine(2)["rows"] == "GGML_REPACK_FUSED_ROWS=8"
+    assert "Q4_K weights: batches of 2-8 rows" in repack_state(info)
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "x")
     assert provenance.machine(2) == base
-    assert repack_state("AVX2 = 1 | REPACK = 0").startswith("not used")
+    assert "Q4_K weights: not repacked" in repack_state("AVX2 = 1 | REPACK = 0")
+    assert repack_state("NEON = 1").startswith("not used")
 
 
 def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkeypatch):

@@ -79,3 +79,14 @@ def test_small_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch)
     monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "0")
     upstream = child("small_batch_rows", str(kdir), "Q4_K", "2,3,6,7,11", "tail")
     assert together == upstream and together.startswith("0 0 "), (together, upstream)
+
+
+@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 AVX2 kernels")
+def test_small_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch):
+    # patch 0012 runs each Q6_K weight row (not repacked on x86) against a batch's 2-16 rows
+    # at once, instead of a dot per pair (and, from 8 rows, of llama.cpp's tiled matmul,
+    # which differs by ~0.5): each row must equal that token decoded alone (with a wrong row
+    # offset: "batch of 2 ... max |diff| 18.41")
+    monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
+    monkeypatch.delenv("GGML_Q6_K_FUSED_ROWS", raising=False)
+    assert child("small_batch_rows", str(kdir), "Q6_K", "2,3,5,8,9,16") == "0 0 0 0 0 0"
