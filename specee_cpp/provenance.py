@@ -35,8 +35,8 @@ REPACK_FUSED_DEFAULT = 15
 
 
 # patch 0012: Q6_K weights (not repacked on x86) take batches of 2 up to this many rows one
-# weight row against all rows at once (unset: 16; 0 or 1: upstream's dot per pair; from 8
-# rows llama.cpp's tiled matmul runs first)
+# weight row against all rows at once (unset: 16; 0 or 1: upstream's dot per pair, and its
+# tiled matmul from 8 rows)
 Q6K_FUSED_ENV = "GGML_Q6_K_FUSED_ROWS"
 Q6K_FUSED_DEFAULT = 16
 
@@ -51,18 +51,19 @@ def amx_rows_override() -> int | None:
     return n if n >= 1 and n != AMX_ROWS_DEFAULT else None
 
 
-def amx_fused_override() -> int | None:
-    """Patch 0010's row limit where this process's environment sets one (else None), read
-    as the patch reads it: the leading digits of a value that starts with one."""
-    m = re.match(r"\d+", os.environ.get(AMX_FUSED_ENV, ""))
-    return int(m.group()) if m else None
-
-
-def _leading_int(env: str, default: int) -> int | None:
+def _leading_int(env: str, default: int | None) -> int | None:
     # as patches 0010-0012 read their limits: the leading digits of a value that starts
     # with one; None where unset, unreadable or the default
     m = re.match(r"\d+", os.environ.get(env, ""))
     return int(m.group()) if m and int(m.group()) != default else None
+
+
+def amx_fused_override() -> int | None:
+    """Patch 0010's row limit where this process's environment sets one (else None), read
+    as the patch reads it (its default, every batch, is no number)."""
+    return _leading_int(AMX_FUSED_ENV, default=None)
+
+
 
 
 def repack_fused_override() -> int | None:
