@@ -64,8 +64,6 @@ def amx_fused_override() -> int | None:
     return _leading_int(AMX_FUSED_ENV, default=None)
 
 
-
-
 def repack_fused_override() -> int | None:
     """Patch 0011's row limit where this process's environment sets one other than its
     default (else None), read as the patch reads it."""

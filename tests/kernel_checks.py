@@ -130,9 +130,10 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     the tiles (above 4 rows of the other types); and on x86's repacked Q4_K (patch 0011):
     batches of up to 15 rows at once, in groups of up to 4 (9 = 4 + 3 + 2), else the rows
     the 4-row gemm leaves; on x86's Q6_K (patch 0012): each weight row against 2-16 rows at
-    once (instead of a dot per pair or, from 8 rows, llama.cpp's tiled matmul). Prints the largest |difference| of each batch size's rows (rows:
-    comma-separated sizes, default BATCH_ROWS; part "tail": only the rows after the last
-    whole group of 4, those the gemm leaves)."""
+    once (instead of a dot per pair or, from 8 rows, llama.cpp's tiled matmul). Prints the
+    largest |difference| of each batch size's rows (rows: comma-separated sizes, default
+    BATCH_ROWS; part "tail": only the rows after the last whole group of 4, those the gemm
+    leaves)."""
     sizes = [int(n) for n in rows.split(",")] if rows else list(BATCH_ROWS)
     path = make_model(Path(directory), quant)
     model = Model(path)
