@@ -457,3 +457,32 @@ def test_exploring_prices_the_drafts_catch_up():
     # where drafting pays broadly (the AMX Xeon: verify nearly flat), it explores as before
     xeon = policies.CostAwareGamma(LastRate(), XEON, 4.85)
     assert explores(xeon, 16, 48) and not explores(xeon, 16, 5)
+
+
+def test_a_predicted_round_prices_a_long_catch_up():
+    """A round the round model predicts to pay still first catches the draft up on what it
+    missed; far behind (a prompt it did not read while the guard held drafting back, seen
+    costing ~15 plain tokens of a 64-token answer on the Ice Lake Xeon) that batch must be
+    won back over the tokens left, else the round stays plain and a free draft is not
+    held back for it."""
+    pol = policies.CostAwareGamma(LastRate(), XEON, 4.85)
+    sure = [0.05, 0.1, 0.99, 0.97, 0.9, 4.85]       # the last round: 90% accepted
+
+    def drafts(behind, room):
+        pol.feats = list(sure)
+        pol.at_context(300, behind, room)
+        return pol.predicted_tps(), pol.plan()
+
+    tps, g = drafts(2, 60)
+    assert tps > 1.0 / XEON.plain and g == 8        # in step: drafting pays, as before
+    assert drafts(250, 60) == (0.0, 0)              # 250 behind at half a draft decode each
+    assert drafts(100, None) == (0.0, 0)
+    # the guard learns that a token of catch-up costs a fifth of a draft decode (as measured
+    # on the Ice Lake Xeon); then 100 behind is worth catching up over 60 tokens, 250 not
+    pol.at_context(300, 50, 60)
+    pol.update(2, 2, [0.9, 0.9], [0.3, 0.3], seconds=1.0, tried=True,
+               catch_up=XEON.draft_token_s * (1 + 0.2 * 50))
+    assert pol.guard.catch_up_rel * XEON.plain == pytest.approx(0.2 * XEON.draft_token_s)
+    assert drafts(100, 60)[1] == 8
+    assert drafts(250, 60) == (0.0, 0)
+    assert drafts(250, 5) == (0.0, 0)

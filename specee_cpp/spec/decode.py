@@ -21,12 +21,8 @@ from ..engine.sampling import probs
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
 from ..errors import SpeceeError
-from .policies import DraftPolicy, FixedGamma
+from .policies import ROUND_CATCH_UP, DraftPolicy, FixedGamma
 from .suffix import ContextSource
-
-# the draft's catch-up after a drafted round: the last drafted token (accepted, never decoded
-# by the draft) and the target's own token
-ROUND_CATCH_UP = 2
 
 
 def accept_drafts(draft: list[int], q: list[np.ndarray], p: np.ndarray,

@@ -24,8 +24,12 @@ from .cost import CostModel, CostTable, as_table
 
 # cost-aware policies re-read their costs when the cache crosses a multiple of this
 CONTEXT_STEP = 64
-# the tokens an exploring round's lesson can pay off over when the caller sets no limit
+# the tokens an exploring round's lesson (or a long catch-up) can pay off over when the
+# caller sets no limit
 EXPLORE_HORIZON = 64
+# the draft's catch-up after a drafted round: the last drafted token (accepted, never decoded
+# by the draft) and the target's own token; a draft further behind has a batch to read first
+ROUND_CATCH_UP = 2
 
 
 class DraftPolicy:
@@ -334,7 +338,9 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
     def predicted_tps(self) -> float:
         if not self.can_pay or self.guard.wait > 0:
             return 0.0
-        return float(self._tps().max())
+        best = float(self._tps().max())
+        # a round the catch-up forbids is no rival for a free draft
+        return best if self._catch_up_pays(best) else 0.0
 
     def plan(self) -> int:
         self._exploring = False
@@ -342,7 +348,7 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
             return 0
         tps = self._tps()
         best = int(np.argmax(tps))
-        if tps[best] > self.plain_tps:
+        if tps[best] > self.plain_tps and self._catch_up_pays(float(tps[best])):
             self.n_plain = 0
             g = self.guard.gate(int(self.gammas[best]))
         else:
@@ -371,18 +377,39 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         token left (``room``, at most ``EXPLORE_HORIZON``) as cheap as the fastest round
         with all its drafts accepted; explore only where that saving exceeds the price."""
         c = self.costs
-        # a batch of n costs one draft decode plus n times a per-token price: the guard's,
-        # learned from earlier catch-ups, else half a draft decode (more than measured: 9.5
-        # ms a token beside a 28 ms decode on the EPYC). Learned from one size it serves
-        # all: a long batch, cheaper per token, makes a short one look a little cheap
+        # a round's first draft decode is paid anyway; the catch-up replaces it when longer
+        price = max(self._catch_up_s(), c.draft(1)) + c.verify(2) - c.plain
+        saving = c.plain - float(np.min(self.time / (self.gammas + 1)))
+        return self._horizon() * saving > price
+
+    def _catch_up_s(self) -> float:
+        """Seconds to bring the draft up to date on the ``behind`` tokens, one batch: one
+        draft decode plus a per-token price, the guard's, learned from earlier catch-ups,
+        else half a draft decode (more than measured: 9.5 ms a token beside a 28 ms decode
+        on the EPYC; 0.2 of one on the Ice Lake Xeon). Learned from one size it serves all:
+        a long batch, cheaper per token, makes a short one look a little cheap."""
+        c = self.costs
         rel = self.guard.catch_up_rel
         per = rel * c.plain if rel is not None else c.draft_token_s / 2
-        catch_up = c.draft_token_s + per * self.behind
-        # a round's first draft decode is paid anyway; the catch-up replaces it when longer
-        price = max(catch_up, c.draft(1)) + c.verify(2) - c.plain
-        horizon = EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
-        saving = c.plain - float(np.min(self.time / (self.gammas + 1)))
-        return horizon * saving > price
+        return c.draft_token_s + per * self.behind
+
+    def _horizon(self) -> int:
+        """The tokens left to win back a price over: ``room``, at most EXPLORE_HORIZON."""
+        return EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
+
+    def _catch_up_pays(self, tps: float) -> bool:
+        """Whether rounds at ``tps`` (predicted) win back what catching the draft up costs
+        beyond a round's own first draft decode, over the tokens left (``_horizon``). Only a
+        draft far behind (plain steps, free drafts, a prompt it did not read because the
+        guard held drafting back when the answer started) has a price to weigh: on the Ice
+        Lake Xeon a first model round that read a summarization prompt of ~250 tokens cost
+        ~15 plain tokens, a quarter of a 64-token answer, and the two rounds after it
+        could not win that back (first turns 0.76-0.86x plain there)."""
+        if self.behind <= ROUND_CATCH_UP:
+            return True
+        c = self.costs
+        price = max(self._catch_up_s() - c.draft(1), 0.0)
+        return self._horizon() * (c.plain - 1.0 / tps) > price
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
         # an exploring round keeps its first token whatever it promises: it is there to
