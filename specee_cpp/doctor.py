@@ -48,18 +48,19 @@ def repack_state(system_info: str) -> str:
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
 
-    def rows(override: int | None, default: int, patch: str) -> str:
+    def rows(override: int | None, default: int, patch: str, env: str) -> str:
         limit = default if override is None else override
-        return (f"batches of 2-{limit} rows several rows at once, patch {patch}" if limit >= 2
-                else "upstream's kernels (none several rows at once)")
+        how = (f"batches of 2-{limit} rows several rows at once, patch {patch}" if limit >= 2
+               else "upstream's kernels (none several rows at once)")
+        return f"{how} ({env}=0: upstream)"
 
-    q4k = (rows(repack_fused_override(), REPACK_FUSED_DEFAULT, "0011")
+    # the switch is named only where its kernel is in the build
+    q4k = (rows(repack_fused_override(), REPACK_FUSED_DEFAULT, "0011", REPACK_FUSED_ENV)
            if "REPACK = 1" in system_info else "not repacked in this build")
+    q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, "0012", Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
            "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
-    return (f"repacked Q4_K weights: {q4k} ({REPACK_FUSED_ENV}=0: upstream); Q6_K weights: "
-            f"{rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, '0012')} ({Q6K_FUSED_ENV}=0: "
-            f"upstream){amx}")
+    return f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}{amx}"
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:

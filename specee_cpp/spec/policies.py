@@ -378,20 +378,21 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         with all its drafts accepted; explore only where that saving exceeds the price."""
         c = self.costs
         # a round's first draft decode is paid anyway; the catch-up replaces it when longer
-        price = max(self._catch_up_s(), c.draft(1)) + c.verify(2) - c.plain
+        price = c.draft(1) + self._catch_up_extra_s() + c.verify(2) - c.plain
         saving = c.plain - float(np.min(self.time / (self.gammas + 1)))
         return self._horizon() * saving > price
 
-    def _catch_up_s(self) -> float:
-        """Seconds to bring the draft up to date on the ``behind`` tokens, one batch: one
-        draft decode plus a per-token price, the guard's, learned from earlier catch-ups,
-        else half a draft decode (more than measured: 9.5 ms a token beside a 28 ms decode
-        on the EPYC; 0.2 of one on the Ice Lake Xeon). Learned from one size it serves all:
-        a long batch, cheaper per token, makes a short one look a little cheap."""
+    def _catch_up_extra_s(self) -> float:
+        """Seconds that bringing the draft up to date on the ``behind`` tokens (one batch)
+        costs beyond a round's own first draft decode, which it replaces. The batch is
+        priced as one draft decode plus a per-token price: the guard's, learned from earlier
+        catch-ups, else half a draft decode (more than measured: 9.5 ms a token beside a 28
+        ms decode on the EPYC; 0.2 of one on the Ice Lake Xeon). Learned from one size it
+        serves all: a long batch, cheaper per token, makes a short one look a little cheap."""
         c = self.costs
         rel = self.guard.catch_up_rel
         per = rel * c.plain if rel is not None else c.draft_token_s / 2
-        return c.draft_token_s + per * self.behind
+        return max(c.draft_token_s + per * self.behind - c.draft(1), 0.0)
 
     def _horizon(self) -> int:
         """The tokens left to win back a price over: ``room``, at most EXPLORE_HORIZON."""
@@ -407,9 +408,8 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         could not win that back (first turns 0.76-0.86x plain there)."""
         if self.behind <= ROUND_CATCH_UP:
             return True
-        c = self.costs
-        price = max(self._catch_up_s() - c.draft(1), 0.0)
-        return self._horizon() * (c.plain - 1.0 / tps) > price
+        saving = self.costs.plain - 1.0 / tps
+        return self._horizon() * saving > self._catch_up_extra_s()
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
         # an exploring round keeps its first token whatever it promises: it is there to
