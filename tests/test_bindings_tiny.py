@@ -35,6 +35,27 @@ def test_argmax_in_c_equals_numpy_on_the_logits(tiny_llama):
         ctx.argmax(99)
 
 
+def test_confidence_in_c_equals_numpy_on_the_logits(tiny_llama):
+    """What a draft-length policy reads of each drafted token (patch 0013): the greedy token,
+    the top-1 probability and the entropy of the softmax, as ``draft_confidence`` computes
+    them from a copy of the logits."""
+    from specee_cpp.spec.decode import draft_confidence
+
+    model, ctx = _ctx(tiny_llama)
+    seq = Sequence(ctx)
+    seq.decode(model.tokenize("the cat sat on", add_special=True), all_outputs=True)
+    for i in (0, 1, 2, 3, -1):
+        tok, top1, ent = ctx.confidence(i)
+        lg = ctx.logits(i)
+        want_top1, want_ent = draft_confidence(lg)
+        assert tok == int(np.argmax(lg)) == ctx.argmax(i)
+        assert top1 == pytest.approx(want_top1, rel=1e-4)
+        assert ent == pytest.approx(want_ent, rel=1e-4, abs=1e-5)
+        assert 0.0 < top1 <= 1.0 and ent >= 0.0
+    with pytest.raises(SpeceeError, match="no logits for output 99"):
+        ctx.confidence(99)
+
+
 def test_the_library_says_which_architectures_it_loads():
     """Asked before loading (patch 0005), not read from llama.cpp's log: a name llama.cpp
     knows but has no model class for (gptj, in this pinned version) is refused like an

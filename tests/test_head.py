@@ -71,6 +71,21 @@ def test_reduced_head_logits_are_the_full_heads_rows(small_model, reduced):
         np.testing.assert_allclose(b[ids], a[ids], rtol=1e-4, atol=1e-4)
         # greedy in C picks among the kept rows, as numpy would
         assert red.argmax() == int(ids[np.argmax(a[ids])])
+        # and the draft's confidence in C is the softmax over those rows only
+        from specee_cpp.spec.decode import draft_confidence
+
+        tok, top1, ent = red.confidence()
+        want_top1, want_ent = draft_confidence(a[ids])
+        assert tok == red.argmax()
+        assert top1 == pytest.approx(want_top1, rel=1e-3)
+        assert ent == pytest.approx(want_ent, rel=1e-3, abs=1e-4)
+        # the full head's over the whole vocabulary, where the C loop leaves out the terms
+        # more than 24 below the max (< 1.5e-4 nats of entropy over 152k tokens)
+        tok, top1, ent = full.confidence()
+        want_top1, want_ent = draft_confidence(a)
+        assert tok == int(np.argmax(a))
+        assert top1 == pytest.approx(want_top1, rel=1e-3)
+        assert ent == pytest.approx(want_ent, rel=1e-3, abs=2e-4)
         # a reduced head cannot be probed by vocabulary id: staged decodes refuse, not abort
         with pytest.raises(DecodeError, match="-1"):
             red.begin_staged(toks[:4])

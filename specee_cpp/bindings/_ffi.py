@@ -11,7 +11,7 @@ import functools
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 7
+REQUIRED_PATCH_VERSION = 8
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -50,6 +50,13 @@ llama_specee_arch_supported = _bind("llama_specee_arch_supported", [ctypes.c_cha
 # int32_t llama_specee_argmax(struct llama_context * ctx, int32_t i);
 llama_specee_argmax = _bind("llama_specee_argmax", [ll.llama_context_p_ctypes, ctypes.c_int32],
                             ctypes.c_int32)
+
+# int32_t llama_specee_confidence(struct llama_context * ctx, int32_t i, float * top1,
+#                                 float * entropy);
+llama_specee_confidence = _bind(
+    "llama_specee_confidence", [ll.llama_context_p_ctypes, ctypes.c_int32,
+                                ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float)],
+    ctypes.c_int32)
 
 # int32_t llama_specee_head_n(const struct llama_model * model);
 llama_specee_head_n = _bind("llama_specee_head_n", [ll.llama_model_p_ctypes], ctypes.c_int32)

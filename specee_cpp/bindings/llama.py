@@ -266,6 +266,7 @@ class Context:
         self.n_batch = n_batch
         self.mem = ll.llama_get_memory(ptr)
         self._stage_n_tokens = 0
+        self._top1, self._entropy = ctypes.c_float(), ctypes.c_float()   # confidence()'s
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
@@ -296,6 +297,17 @@ class Context:
         if tok < 0:
             raise DecodeError(f"no logits for output {i}: {_last_error()}")
         return tok
+
+    def confidence(self, i: int = -1) -> tuple[int, float, float]:
+        """(greedy token, top-1 probability, entropy in nats) of output ``i``'s softmax,
+        computed in C: what a draft-length policy reads of each drafted token, without
+        copying the n_vocab logits into numpy and a softmax over them there (~1.2 ms a
+        drafted token on the Ice Lake Xeon, 5% of a reduced-head draft's decode)."""
+        top1, ent = self._top1, self._entropy
+        tok = _ffi.llama_specee_confidence(self.ptr, i, ctypes.byref(top1), ctypes.byref(ent))
+        if tok < 0:
+            raise DecodeError(f"no logits for output {i}: {_last_error()}")
+        return tok, top1.value, ent.value
 
     def seq_rm(self, p0: int, p1: int = -1) -> None:
         """Remove positions [p0, p1) of sequence 0 from the KV cache (p1 -1: to the end)."""

@@ -61,6 +61,10 @@ class Sequence:
         """Greedy token of output ``i`` of the last decode, without copying its logits."""
         return self.ctx.argmax(i)
 
+    def confidence(self, i: int = -1) -> tuple[int, float, float]:
+        """(greedy token, top-1 probability, entropy) of output ``i``, read in C."""
+        return self.ctx.confidence(i)
+
     def logits(self, i: int = -1) -> np.ndarray:
         """A copy of output ``i``'s logits (sampling, confidence, probes)."""
         return self.ctx.logits(i)

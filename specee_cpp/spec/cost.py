@@ -213,9 +213,11 @@ def load_or_measure(key: str, measure) -> CostTable:
     return table
 
 
-MEASURE_VERSION = 9   # part of the cache key: a changed method measures again (7: long
+MEASURE_VERSION = 11  # part of the cache key: a changed method measures again (7: long
 # batches; 8: each sample against a plain token timed just before it; 9: the draft's flash
-# attention chosen first, the draft measured with it)
+# attention chosen first, the draft measured with it; 10: a draft token read as greedy rounds
+# read it, its token and confidence in C, not a copy of its logits; 11: so are the draft
+# variants screened, spec/variants.py)
 
 
 def long_sizes(tgt_seq) -> list[int]:
@@ -307,11 +309,14 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
         for _ in range(repeats):
             ref = reference()
             t0 = clock()
+            # each draft decode read as a greedy round reads it: token and confidence in C
             if k > 1:
-                dft_seq.feed(filler[:2])
+                dft_seq.decode(filler[:2])
+                dft_seq.confidence()
             t1 = clock()
             for t in filler[2:k]:
-                dft_seq.feed([t])
+                dft_seq.decode([t])
+                dft_seq.confidence()
             t2 = clock()
             tgt_seq.decode_greedy(filler[:k])
             runs.append((clock() - t2) / ref)

@@ -211,18 +211,21 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                 with ph("catch_up" if behind > ROUND_CATCH_UP else "draft"):
                     dft.prefill(tgt.tokens + [token], read=False)
             for i in range(g_max):
-                lg = None
-                if confidence or verifier is not None:
+                lg, tok = None, None
+                if verifier is not None or (confidence and not greedy):
                     lg = dft.logits()
                     rows.append(lg)
                 if confidence:
-                    top1, ent = draft_confidence(lg)
+                    if lg is None:   # greedy: token and confidence in C, no logits copied
+                        tok, top1, ent = dft.confidence()
+                    else:
+                        top1, ent = draft_confidence(lg)
                     with ph("control"):
                         ok = policy.keep(i, top1, ent)
                     if not ok:
                         break
                     conf.append((top1, ent))
-                tok, dist = choose(dft, lg)
+                tok, dist = (tok, None) if tok is not None else choose(dft, lg)
                 draft.append(tok)
                 q.append(dist)
                 if i == g_max - 1 or (is_eog is not None and is_eog(tok)):
