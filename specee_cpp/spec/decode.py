@@ -77,7 +77,8 @@ def accept_greedy(draft: list[int], target_at: Callable[[int], int]) -> tuple[in
 
 
 def draft_confidence(logits: np.ndarray) -> tuple[float, float]:
-    """(top-1 probability, entropy in nats) of the draft's full softmax."""
+    """(top-1 probability, entropy in nats) of the draft's full softmax, from logits already
+    copied (sampling, a verifier); greedy rounds read both in C (``Sequence.confidence``)."""
     z = logits.astype(np.float32) - np.float32(logits.max())
     e = np.exp(z)
     total = float(e.sum())

@@ -168,8 +168,8 @@ def draft_ratio(llm, path: Path) -> float:
         t0 = time.perf_counter()
         for t in context[:SCREEN_TOKENS]:
             seq.decode([t])
-            seq.confidence()   # read as a greedy round reads each draft token (a full head's
-            # vocabulary costs more to read than a reduced one's)
+            # read as a greedy round reads each draft token: a full head costs more to read
+            seq.confidence()
         dt = time.perf_counter() - t0
         seq.rewind(len(context))
         return dt
