@@ -690,11 +690,13 @@ def bench(
 
         summary = run(opts, progress, benchmarks_md=benchmarks, title=title)
     table = Table(title=f"specee-cpp bench: {summary['prompts']} prompts")
-    for col in ("configuration", "tok/s", "speed-up", "acceptance", "identical to plain"):
+    for col in ("configuration", "tok/s", "speed-up", "end to end", "acceptance",
+                "identical to plain"):
         table.add_column(col)
     for name, e in summary["configs"].items():
         acc = e.get("acceptance")
         table.add_row(name, f"{e['tps']:.1f}", f"{e['speedup']:.3f}" if e["speedup"] else "-",
+                      f"{e['e2e_speedup']:.3f}" if e["e2e_speedup"] else "-",
                       f"{acc:.2f}" if acc is not None else "-",
                       f"{e['identical']:.2f}" if e["identical"] is not None else "-")
     out.print(table)

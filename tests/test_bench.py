@@ -156,7 +156,8 @@ def _rec(pid, cat, cfg, text, n, secs, **kw):
 def test_summary_tables_json_png(tmp_path):
     sel = configs.select("lcpp-lookup,ee-ngram")
     recs = [_rec("a", "qa", "plain", "hello world", 10, 1.0),
-            _rec("a", "qa", "lcpp-lookup", "hello world!", 10, 0.5, n_drafted=8, n_accept=6),
+            replace(_rec("a", "qa", "lcpp-lookup", "hello world!", 10, 0.5, n_drafted=8,
+                         n_accept=6), prefill_s=0.6),   # what it saved in decode, in prefill
             _rec("a", "qa", "ee-ngram", "hello there", 10, 2.0, n_exit=5, exit_layer_sum=100,
                  agreement=0.8),
             _rec("b", "rag", "plain", "x", 10, 1.0),
@@ -169,6 +170,10 @@ def test_summary_tables_json_png(tmp_path):
     look, ee = s["configs"]["lcpp-lookup"], s["configs"]["ee-ngram"]
     assert look["speedup"] == pytest.approx((20 / 1.5) / 10)
     assert look["categories"]["qa"]["speedup"] == pytest.approx(2.0)
+    # end to end the prefill counts: 20 tokens in 2.2 s each
+    assert look["e2e_speedup"] == pytest.approx(1.0)
+    assert look["categories"]["qa"]["e2e_speedup"] == pytest.approx(1.0)
+    assert ee["e2e_speedup"] == pytest.approx((20 / 3.2) / (20 / 2.2))
     assert look["acceptance"] == pytest.approx(0.5) and look["identical"] == 0.5
     assert ee["exit_ratio"] == pytest.approx(0.25) and ee["mean_exit_layer"] == 20
     assert ee["common_prefix"] == pytest.approx((6 + 1) / 2)
@@ -176,6 +181,8 @@ def test_summary_tables_json_png(tmp_path):
     md = report.markdown(s, "specee-cpp bench X", "settings;")
     assert md.startswith("`specee-cpp bench X`") and "| lcpp-lookup | 13.3 | 1.333 (" in md
     assert "| rag | 1 | 10.0 | 1.000 | 1.000 |" in md
+    assert "End to end (prefill and decode) vs plain by category" in md
+    assert "| qa | 1.000 | 0.524 |" in md          # ee-ngram: 10 in 2.1 s against 10 in 1.1 s
     report.write_json(tmp_path / "r.json", "cmd", {"a": 1}, s, recs)
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["prompts"] == 2
     report.write_png(tmp_path / "r.png", s)

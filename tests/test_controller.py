@@ -290,6 +290,63 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     pair.forget(("spec", "costs"))
 
 
+def test_a_long_prompt_under_a_short_limit_is_not_read_up_front():
+    """The draft reads the prompt up front only where the rounds the round model predicts
+    can win the read back within the caller's limit (seen: ~290-token RAG prompts read for
+    64-token answers cost ~1 s each and spec-auto ran 0.97x plain end to end on the Ice Lake
+    Xeon). The first read goes ahead whatever it costs and teaches the guard its price."""
+    pol = policies.CostAwareGamma(LastRate(), XEON, 4.85)   # prior: 80% accepted
+    assert pol.reads_prompt(289, 62)                       # no price seen yet
+    pol.prompt_read(XEON.draft_token_s * (1 + 0.2 * 288), 288)
+    assert pol.guard.catch_up_rel * XEON.plain == pytest.approx(0.2 * XEON.draft_token_s)
+    assert not pol.reads_prompt(289, 62)    # ~2.1 s of read against ~1.5 s of saving
+    assert pol.reads_prompt(101, 62)
+    assert pol.reads_prompt(289, 1022)      # a chat's limit: read, as before
+    assert pol.reads_prompt(289, None)
+    pol.guard.wait = 16                     # held at plain decoding: nothing to read for
+    assert not pol.reads_prompt(101, 62)
+    # the rules that ignore costs read every prompt
+    assert policies.FixedGamma(4).reads_prompt(289, 62)
+    assert not policies.FixedGamma(0).reads_prompt(289, 62)
+
+
+@pytest.mark.model
+def test_a_prompt_not_read_up_front_is_not_read_at_all(pair, model):
+    """Through generate_spec: where the read cannot pay within the limit the draft's cache
+    stays empty (the rounds after weigh the same catch-up, only longer), greedy output is
+    plain's; with room for it the prompt is read in prefill, as before."""
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.spec.decode import generate_spec
+
+    prompt = "Write a Python function that reverses a string."
+    toks = pair.prompt_tokens(prompt)
+
+    def run(max_new: int, price_in_tokens: float | None):
+        pol = policies.CostAwareGamma(model, GPU, 4.85)
+        if price_in_tokens is not None:
+            # a catch-up per-token price making the read cost what `price_in_tokens`
+            # tokens of the prior's best round save
+            pol.at_context(len(toks), len(toks) + 1, max_new)
+            saving = GPU.plain - 1.0 / float(pol._tps().max())
+            extra = price_in_tokens * saving - GPU.draft_token_s + GPU.draft(1)
+            pol.guard.catch_up_rel = extra / (GPU.plain * (len(toks) + 1))
+        pair.reset()
+        gen = generate_spec(pair.tgt.seq, pair.dft.seq, toks, pol, SamplingConfig(),
+                            max_new=max_new)
+        out = [next(gen).token]
+        read = len(pair.dft.seq.tokens) == len(toks)
+        out += [next(gen).token for _ in range(max_new - 1)]
+        return read, out, pol
+
+    plain = pair.generate(prompt, max_tokens=12).tokens
+    read, out, _ = run(6, price_in_tokens=20.0)
+    assert not read and out == plain[:6] and pair.dft.seq.tokens == []
+    read, out, _ = run(12, price_in_tokens=2.0)
+    assert read and out == plain
+    read, _, pol = run(6, price_in_tokens=None)   # no price seen: read, and learn it
+    assert read and pol.guard.catch_up_rel is not None
+
+
 @pytest.mark.model
 def test_a_round_is_told_the_drafts_catch_up(pair):
     """After plain steps the draft is behind by as many tokens; the first drafted round

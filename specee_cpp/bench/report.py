@@ -5,6 +5,9 @@ The columns, each defined once (the fields are record.Record's):
 - tok/s: sum of n_decode / sum of decode_s over the prompts every compared configuration
   finished; speed-up: that over plain's, in the same run; in brackets its 95% interval
   (``interval``: the (prompt, repeat) pairs resampled);
+- end to end: the same with the prefill counted, sum of n_gen / sum of (prefill_s +
+  decode_s), over plain's: what a user waits for the whole answer. A draft that reads the
+  prompt up front does so in prefill (llama.cpp's tools too), which decode speed leaves out;
 - prefill s: mean prefill_s; drafted, acceptance: sum of n_drafted, sum n_accept / sum
   n_drafted; exit ratio: sum n_exit / sum n_gen; mean exit layer: sum exit_layer_sum /
   sum n_exit;
@@ -18,6 +21,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -26,12 +30,24 @@ from .configs import BenchConfig
 from .record import Record
 
 
+def decode_speed(r: Record) -> tuple[int, float]:
+    """(tokens, seconds) of a record's decode: the tok/s column."""
+    return r.n_decode, r.decode_s
+
+
+def end_to_end(r: Record) -> tuple[int, float]:
+    """(tokens, seconds) of a whole answer, prefill included: the end-to-end column."""
+    return r.n_gen, r.prefill_s + r.decode_s
+
+
 def _agg(recs: list[Record]) -> dict:
     n_gen = sum(r.n_gen for r in recs)
     n_dec = sum(r.n_decode for r in recs)
     dec = sum(r.decode_s for r in recs)
+    total = sum(r.prefill_s for r in recs) + dec
     out = {"prompts": len(recs), "n_gen": n_gen, "decode_s": dec,
            "tps": n_dec / dec if dec > 0 else 0.0,
+           "e2e_tps": n_gen / total if total > 0 else 0.0,
            "prefill_s": sum(r.prefill_s for r in recs) / len(recs) if recs else 0.0}
     drafted = [r for r in recs if r.n_drafted is not None]
     if drafted:
@@ -57,7 +73,8 @@ def _agg(recs: list[Record]) -> dict:
 RESAMPLES = 2000
 
 
-def interval(pairs: list[tuple[Record, Record]], level: float = 0.95
+def interval(pairs: list[tuple[Record, Record]], level: float = 0.95,
+             measure: Callable[[Record], tuple[int, float]] = decode_speed
              ) -> tuple[float, float] | None:
     """The ``level`` interval of the pooled speed-up of ``pairs`` (each a configuration's
     record and plain's of the same prompt and repeat): percentiles over RESAMPLES draws of
@@ -66,11 +83,11 @@ def interval(pairs: list[tuple[Record, Record]], level: float = 0.95
     category's three prompts alone cannot tell 0.97x from 1.00x; this says how far apart
     such readings are. Pairs are the unit: the spread mixes measurement noise with
     differences between prompts, and with a few prompts it understates the latter. None
-    for fewer than two pairs."""
+    for fewer than two pairs. ``measure``: the (tokens, seconds) a speed is taken over
+    (decode_speed, end_to_end)."""
     if len(pairs) < 2:
         return None
-    a = np.array([[r.n_decode, r.decode_s, q.n_decode, q.decode_s] for r, q in pairs],
-                 dtype=np.float64)
+    a = np.array([[*measure(r), *measure(q)] for r, q in pairs], dtype=np.float64)
     pick = np.random.default_rng(0).integers(0, len(a), size=(RESAMPLES, len(a)))
     n, s, pn, ps = (a[:, k][pick].sum(axis=1) for k in range(4))
     ratio = (n / s) / (pn / ps)
@@ -111,9 +128,13 @@ def summarize(records: list[Record], configs: list[BenchConfig],
         recs = [by[(p, c.name)] for p in complete]
         entry = _agg(recs)
         plain = [by[(p, "plain")] for p in complete]
-        plain_tps = _agg(plain)["tps"] if plain else 0.0
-        entry["speedup"] = entry["tps"] / plain_tps if plain_tps else None
+        base = _agg(plain) if plain else {"tps": 0.0, "e2e_tps": 0.0}
+        entry["speedup"] = entry["tps"] / base["tps"] if base["tps"] else None
         entry["interval"] = interval(list(zip(recs, plain))) if c.name != "plain" else None
+        entry["e2e_speedup"] = (entry["e2e_tps"] / base["e2e_tps"]
+                                if base["e2e_tps"] else None)
+        entry["e2e_interval"] = (interval(list(zip(recs, plain)), measure=end_to_end)
+                                 if c.name != "plain" else None)
         same = [r.text.startswith(q.text) for r, q in zip(recs, plain)]
         entry["identical"] = sum(same) / len(same) if same else None
         entry["common_prefix"] = (sum(common_prefix(r.text, q.text) for r, q in zip(recs, plain))
@@ -126,10 +147,14 @@ def summarize(records: list[Record], configs: list[BenchConfig],
         for cat in sorted(set(cats.values())):
             ps = [p for p in complete if cats[p] == cat]
             a, b = _agg([by[(p, c.name)] for p in ps]), _agg([by[(p, "plain")] for p in ps])
-            per_cat[cat] = {"prompts": len({p for p, _ in ps}), "tps": a["tps"],
-                            "speedup": a["tps"] / b["tps"] if b["tps"] else None,
-                            "interval": None if c.name == "plain" else interval(
-                                [(by[(p, c.name)], by[(p, "plain")]) for p in ps])}
+            cat_pairs = [(by[(p, c.name)], by[(p, "plain")]) for p in ps]
+            per_cat[cat] = {
+                "prompts": len({p for p, _ in ps}), "tps": a["tps"],
+                "speedup": a["tps"] / b["tps"] if b["tps"] else None,
+                "interval": None if c.name == "plain" else interval(cat_pairs),
+                "e2e_speedup": a["e2e_tps"] / b["e2e_tps"] if b["e2e_tps"] else None,
+                "e2e_interval": (None if c.name == "plain"
+                                 else interval(cat_pairs, measure=end_to_end))}
         entry["categories"] = per_cat
         summary["configs"][c.name] = entry
     return summary
@@ -139,17 +164,19 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _speedup(e: dict) -> str:
-    """A speed-up with its interval, when it has one: '0.986 (0.97-1.00)'."""
-    iv = e.get("interval")
-    return _f(e["speedup"], ".3f") + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv else "")
+def _speedup(e: dict, kind: str = "") -> str:
+    """A speed-up with its interval, when it has one: '0.986 (0.97-1.00)'; ``kind`` "e2e_"
+    for the end-to-end one."""
+    iv = e.get(f"{kind}interval")
+    return _f(e.get(f"{kind}speedup"), ".3f") + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv else "")
 
 
 def markdown(summary: dict, command: str, settings: str) -> str:
     """The section that goes into docs/BENCHMARKS.md: command, settings, two tables."""
     cfgs = summary["configs"]
     has_pass = any("pass_at_1" in e for e in cfgs.values())
-    head = ("| configuration | tok/s | speed-up vs plain | prefill s | drafted | acceptance | "
+    head = ("| configuration | tok/s | speed-up vs plain | end to end vs plain | prefill s | "
+            "drafted | acceptance | "
             "exit ratio | mean exit layer | agreement (teacher-forced) | identical to plain | "
             "common prefix (chars) |" + (" pass@1 |" if has_pass else ""))
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -158,7 +185,8 @@ def markdown(summary: dict, command: str, settings: str) -> str:
         if e["lossless"] and name != "plain":
             ident += " (lossless mode)"
         rows.append(
-            f"| {name} | {e['tps']:.1f} | {_speedup(e)} | {e['prefill_s']:.2f} | "
+            f"| {name} | {e['tps']:.1f} | {_speedup(e)} | {_speedup(e, 'e2e_')} | "
+            f"{e['prefill_s']:.2f} | "
             f"{e.get('n_drafted', '-')} | {_f(e.get('acceptance'), '.3f')} | "
             f"{_f(e.get('exit_ratio'), '.2f')} | {_f(e.get('mean_exit_layer'), '.1f')} | "
             f"{_f(e.get('agreement'), '.3f')} | {ident} | {_f(e['common_prefix'], '.0f')} |"
@@ -167,11 +195,14 @@ def markdown(summary: dict, command: str, settings: str) -> str:
     others = [n for n in cfgs if n != "plain"]
     crows = ["| category | prompts | plain tok/s | " + " | ".join(others) + " |",
              "|---|---|---|" + "---|" * len(others)]
+    erows = ["| category | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
     for cat in cats:
         plain = cfgs["plain"]["categories"][cat]
         crows.append(f"| {cat} | {plain['prompts']} | {plain['tps']:.1f} | "
                      + " | ".join(_speedup(cfgs[n]["categories"][cat]) for n in others)
                      + " |")
+        erows.append(f"| {cat} | " + " | ".join(_speedup(cfgs[n]["categories"][cat], "e2e_")
+                                                for n in others) + " |")
     legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
     verdict = best_lines(cfgs) + length_note(cfgs)
     reps = summary.get("repeats", 1)
@@ -182,6 +213,8 @@ def markdown(summary: dict, command: str, settings: str) -> str:
     return (f"`{command}`\n\n{settings} {summary['prompts']} prompts{times}; "
             f"{time.strftime('%Y-%m-%d')}.{spread}\n\n" + "\n".join(rows) + f"\n\n{verdict}"
             + "\n\nSpeed-up vs plain by category (same run):\n\n" + "\n".join(crows)
+            + "\n\nEnd to end (prefill and decode) vs plain by category (same run):\n\n"
+            + "\n".join(erows)
             + f"\n\nConfigurations:\n\n{legend}\n")
 
 

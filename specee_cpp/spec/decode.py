@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import SamplingConfig
 from ..engine.sampling import probs
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, common_prefix
 from ..engine.steps import Step
 from ..errors import SpeceeError
 from .policies import ROUND_CATCH_UP, DraftPolicy, FixedGamma
@@ -171,13 +171,19 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     token, _ = choose(tgt)
     if context is not None:
         context.extend(prompt + [token])
-    if not policy.plan_is_plain and not policy.waiting():
+    if dft is not None:
         # the draft reads the prompt up front, as part of prefill (llama.cpp's tools count it
-        # there too); a policy that may never draft, or whose guard holds it at plain
-        # decoding for now (drafting lost in the last generations), leaves it to the first
-        # drafted round: a chat turn where drafting does not pay keeps plain's first-token
-        # latency
-        dft.prefill(prompt)
+        # there too), where the policy says so; a policy that may never draft, whose guard
+        # holds it at plain decoding for now (drafting lost in the last generations) or that
+        # cannot win the read back within the caller's limit leaves it to the first drafted
+        # round: a chat turn where drafting does not pay keeps plain's first-token latency
+        n_read = len(prompt) - min(common_prefix(dft.tokens, prompt), len(prompt) - 1)
+        room = draft_room(max_new, 1)
+        policy.at_context(len(prompt), n_read + 1, room)
+        if policy.reads_prompt(n_read + 1, room):
+            t_read = time.perf_counter()
+            dft.prefill(prompt)
+            policy.prompt_read(time.perf_counter() - t_read, n_read)
     yield Step(token=token, timings={"prefill": time.perf_counter() - t0})
     n_out = 1
     while True:

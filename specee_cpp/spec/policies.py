@@ -78,6 +78,20 @@ class DraftPolicy:
         draft need not read the prompt up front."""
         return self.guard is not None and self.guard.wait > 0
 
+    def reads_prompt(self, behind: int, room: int | None) -> bool:
+        """Whether the draft reads the prompt up front, in prefill: ``behind`` tokens it has
+        not seen (the prompt, less what its cache already holds), ``room`` the most tokens
+        the caller takes after the first. Yes unless the policy never drafts or its guard
+        holds it at plain decoding for now; a prompt not read is the first drafted round's
+        catch-up."""
+        return not self.plan_is_plain and not self.waiting()
+
+    def prompt_read(self, seconds: float, n_tokens: int) -> None:
+        """The draft read ``n_tokens`` of prompt up front in ``seconds``: a batch like any
+        catch-up, whose price per token a guard learns from."""
+        if self.guard is not None and n_tokens > ROUND_CATCH_UP:
+            self.guard.learn_catch_up(seconds, n_tokens, self.one_draft_decode_s)
+
     def predicted_tps(self) -> float:
         """The tokens per second this policy expects of its next drafted round on this
         machine (0: it has no prediction), so that a free draft from the context can be
@@ -173,6 +187,15 @@ class Guard:
             return 0
         return want
 
+    def learn_catch_up(self, seconds: float, n_tokens: int, fixed: float) -> None:
+        """The draft read ``n_tokens`` in one batch in ``seconds``, of which ``fixed`` (one
+        draft decode) does not grow with the batch."""
+        # kept relative to the plain steps seen, like the cost model's own units: a table
+        # measured while the machine was busy reads dearer than today's steps
+        rel = max(seconds - fixed, 0.0) / n_tokens * self.plain_tps()
+        self.catch_up_rel = rel if self.catch_up_rel is None else \
+            self.catch_up_rel + 0.5 * (rel - self.catch_up_rel)
+
     def observe(self, n_drafted: int, tokens: int, seconds: float,
                 catch_up: float = 0.0, behind: int = 0, fixed: float = 0.0) -> None:
         """A round of ``tokens`` in ``seconds`` (``n_drafted`` 0: a plain step), of which
@@ -182,11 +205,7 @@ class Guard:
             self.plain = self._ema(self.plain, tokens / seconds)
             return
         if catch_up > 0 and behind > 0:
-            # kept relative to the plain steps seen, like the cost model's own units: a
-            # table measured while the machine was busy reads dearer than today's steps
-            rel = max(catch_up - fixed, 0.0) / behind * self.plain_tps()
-            self.catch_up_rel = rel if self.catch_up_rel is None else \
-                self.catch_up_rel + 0.5 * (rel - self.catch_up_rel)
+            self.learn_catch_up(catch_up, behind, fixed)
         if self.waited:
             seconds, self.waited = max(seconds - catch_up, 1e-9), False
         tps = tokens / seconds
@@ -398,18 +417,37 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         """The tokens left to win back a price over: ``room``, at most EXPLORE_HORIZON."""
         return EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
 
-    def _catch_up_pays(self, tps: float) -> bool:
+    def reads_prompt(self, behind: int, room: int | None) -> bool:
+        """The prompt is read up front only where the caller's limit leaves room to win it
+        back: the rounds the round model predicts from its prior must save, over ``room``
+        tokens, more than the read costs beyond a round's own first draft decode (priced as
+        a catch-up). Before anything was drafted the answer's length is unknown and its
+        limit is the only bound, so the check takes the whole limit (not EXPLORE_HORIZON):
+        with a chat's 1024 it reads every prompt as before; what it declines is a long
+        prompt under a short limit (RAG and summarization prompts of ~290 tokens for 64-token
+        answers on the Ice Lake Xeon, where the draft read ~1 s of prompt for a handful of
+        model rounds: spec-auto at 0.97x plain end to end in RAG). The first read (no
+        catch-up seen yet) goes ahead: it teaches the guard the price."""
+        if not super().reads_prompt(behind, room):
+            return False
+        if room is None or self.guard.catch_up_rel is None:
+            return True
+        self.behind, self.room = behind, room
+        return self._catch_up_pays(float(self._tps().max()), horizon=room)
+
+    def _catch_up_pays(self, tps: float, horizon: int | None = None) -> bool:
         """Whether rounds at ``tps`` (predicted) win back what catching the draft up costs
-        beyond a round's own first draft decode, over the tokens left (``_horizon``). Only a
-        draft far behind (plain steps, free drafts, a prompt it did not read because the
-        guard held drafting back when the answer started) has a price to weigh: on the Ice
+        beyond a round's own first draft decode, over ``horizon`` tokens (default: the tokens
+        left, ``_horizon``). Only a draft far behind (plain steps, free drafts, a prompt it
+        did not read up front) has a price to weigh: on the Ice
         Lake Xeon a first model round that read a summarization prompt of ~250 tokens cost
         ~15 plain tokens, a quarter of a 64-token answer, and the two rounds after it
         could not win that back (first turns 0.76-0.86x plain there)."""
         if self.behind <= ROUND_CATCH_UP:
             return True
         saving = self.costs.plain - 1.0 / tps
-        return self._horizon() * saving > self._catch_up_extra_s()
+        horizon = self._horizon() if horizon is None else horizon
+        return horizon * saving > self._catch_up_extra_s()
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
         # an exploring round keeps its first token whatever it promises: it is there to
