@@ -40,14 +40,22 @@ def end_to_end(r: Record) -> tuple[int, float]:
     return r.n_gen, r.prefill_s + r.decode_s
 
 
+# the speeds a configuration is compared with plain's by: the key prefix of each
+MEASURES = {"": decode_speed, "e2e_": end_to_end}
+
+
+def _speed(recs: list[Record], measure: Callable[[Record], tuple[int, float]]) -> float:
+    """Pooled tokens per second of ``recs`` under ``measure`` (0 without any time)."""
+    n = sum(measure(r)[0] for r in recs)
+    s = sum(measure(r)[1] for r in recs)
+    return n / s if s > 0 else 0.0
+
+
 def _agg(recs: list[Record]) -> dict:
     n_gen = sum(r.n_gen for r in recs)
-    n_dec = sum(r.n_decode for r in recs)
     dec = sum(r.decode_s for r in recs)
-    total = sum(r.prefill_s for r in recs) + dec
     out = {"prompts": len(recs), "n_gen": n_gen, "decode_s": dec,
-           "tps": n_dec / dec if dec > 0 else 0.0,
-           "e2e_tps": n_gen / total if total > 0 else 0.0,
+           **{f"{k}tps": _speed(recs, m) for k, m in MEASURES.items()},
            "prefill_s": sum(r.prefill_s for r in recs) / len(recs) if recs else 0.0}
     drafted = [r for r in recs if r.n_drafted is not None]
     if drafted:
@@ -96,6 +104,18 @@ def interval(pairs: list[tuple[Record, Record]], level: float = 0.95,
     return float(lo), float(hi)
 
 
+def _vs_plain(pairs: list[tuple[Record, Record]], is_plain: bool) -> dict:
+    """Speed-up over plain and its interval (None for plain itself), for each of MEASURES,
+    of ``pairs`` (a configuration's record, plain's of the same prompt and repeat)."""
+    recs, plain = [r for r, _ in pairs], [q for _, q in pairs]
+    out = {}
+    for kind, m in MEASURES.items():
+        base = _speed(plain, m)
+        out[f"{kind}speedup"] = _speed(recs, m) / base if base else None
+        out[f"{kind}interval"] = None if is_plain else interval(pairs, measure=m)
+    return out
+
+
 def clipped(r: Record, max_tokens: int | None) -> Record:
     """A llama.cpp peer's record counting no tokens past the run's limit. The tools stop at
     ``max_tokens`` + 1 tokens (they check the limit after emitting), and llama-speculative-
@@ -128,13 +148,7 @@ def summarize(records: list[Record], configs: list[BenchConfig],
         recs = [by[(p, c.name)] for p in complete]
         entry = _agg(recs)
         plain = [by[(p, "plain")] for p in complete]
-        base = _agg(plain) if plain else {"tps": 0.0, "e2e_tps": 0.0}
-        entry["speedup"] = entry["tps"] / base["tps"] if base["tps"] else None
-        entry["interval"] = interval(list(zip(recs, plain))) if c.name != "plain" else None
-        entry["e2e_speedup"] = (entry["e2e_tps"] / base["e2e_tps"]
-                                if base["e2e_tps"] else None)
-        entry["e2e_interval"] = (interval(list(zip(recs, plain)), measure=end_to_end)
-                                 if c.name != "plain" else None)
+        entry |= _vs_plain(list(zip(recs, plain)), c.name == "plain")
         same = [r.text.startswith(q.text) for r, q in zip(recs, plain)]
         entry["identical"] = sum(same) / len(same) if same else None
         entry["common_prefix"] = (sum(common_prefix(r.text, q.text) for r, q in zip(recs, plain))
@@ -146,15 +160,10 @@ def summarize(records: list[Record], configs: list[BenchConfig],
         per_cat = {}
         for cat in sorted(set(cats.values())):
             ps = [p for p in complete if cats[p] == cat]
-            a, b = _agg([by[(p, c.name)] for p in ps]), _agg([by[(p, "plain")] for p in ps])
             cat_pairs = [(by[(p, c.name)], by[(p, "plain")]) for p in ps]
-            per_cat[cat] = {
-                "prompts": len({p for p, _ in ps}), "tps": a["tps"],
-                "speedup": a["tps"] / b["tps"] if b["tps"] else None,
-                "interval": None if c.name == "plain" else interval(cat_pairs),
-                "e2e_speedup": a["e2e_tps"] / b["e2e_tps"] if b["e2e_tps"] else None,
-                "e2e_interval": (None if c.name == "plain"
-                                 else interval(cat_pairs, measure=end_to_end))}
+            per_cat[cat] = {"prompts": len({p for p, _ in ps}),
+                            "tps": _speed([r for r, _ in cat_pairs], decode_speed),
+                            **_vs_plain(cat_pairs, c.name == "plain")}
         entry["categories"] = per_cat
         summary["configs"][c.name] = entry
     return summary
