@@ -43,7 +43,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--variants", default="Q4_K_M,IQ4_NL,IQ4_NL:v16k,IQ4_NL:v32k")
+    ap.add_argument("--variants", default="Q4_K_M,IQ4_NL,IQ4_NL:v16k,IQ4_NL:v32k",
+                    help="variants of --draft (TYPE, vN, TYPE:vN) or .gguf paths")
     ap.add_argument("--records", help="a first-turn bench run's records: its plain answers")
     ap.add_argument("--code-records", help="a HumanEval bench run's records: its plain answers")
     ap.add_argument("--per-category", type=int, default=6)
@@ -90,7 +91,7 @@ def main() -> int:
             log(f"target {k + 1}/{len(prompts)}")
     rows = []
     for v in ns.variants.split(","):
-        spec = f"{ns.draft}:{v}"
+        spec = v if v.endswith(".gguf") else f"{ns.draft}:{v}"   # a variant, or a file
         with load_model(spec) as d:
             s, head = d.tgt.seq, d.model.n_head
             by_cat, sure, held = defaultdict(list), [], []
