@@ -2,9 +2,9 @@
 """How often each draft variant's greedy token is the target's, per category (teacher-forced).
 
 For dev prompts (Spec-Bench, `--per-category` per category outside the calibration pool,
-cut to `--max-prompt-tokens`; HumanEval dev tasks with `--humaneval`), the target's greedy
-answer is taken (generated here, or the `plain` texts of a bench run's records with
-`--records`), then each draft variant reads prompt + answer in one batch and its greedy
+cut to `--max-prompt-tokens`), the target's greedy answer is generated here; or the prompts
+and `plain` answers of bench runs are read back (`--records`, and `--code-records` for a
+HumanEval run, whose tasks join the table). Then each draft variant reads prompt + answer in one batch and its greedy
 token after every answer position is compared with the target's. That is the acceptance of
 a draft of length 1 with none of the round structure: an upper bound of what the draft can
 reach there, cheap to take for many variants on many prompts. A reduced head (`:vN`) can
@@ -26,6 +26,13 @@ from collections import defaultdict
 import numpy as np
 
 SURE = 0.99
+
+
+def read_answer(seq, prompt: list[int], answer: list[int]) -> list[int]:
+    """Teacher-forced: ``seq`` reads prompt + answer from an empty cache, all outputs kept
+    for the answer's positions; its greedy token after each one (read in C)."""
+    seq.decode(prompt[:-1])
+    return seq.decode_greedy(prompt[-1:] + answer)[:len(answer)]
 
 
 def answers_from(records: str) -> dict[str, str]:
@@ -82,8 +89,7 @@ def main() -> int:
                 ans = llm.generate(p.text, chat=p.chat, max_tokens=ns.max_tokens,
                                    stop=p.stop).tokens
             llm.reset()
-            seq.decode(pt[:-1])
-            seq.decode(pt[-1:] + ans, all_outputs=True)
+            read_answer(seq, pt, ans)
             conf = [seq.confidence(j) for j in range(len(ans))]
             # the target's own greedy token after each position (= the answer where it was
             # generated here; a re-tokenized text may differ at a few places)
@@ -97,10 +103,9 @@ def main() -> int:
             by_cat, sure, held = defaultdict(list), [], []
             for cat, pt, ans, tgt, top1 in data:
                 d.reset()
-                s.decode(pt[:-1])
-                s.decode(pt[-1:] + ans, all_outputs=True)
+                guess = read_answer(s, pt, ans)
                 for j, (t, p1) in enumerate(zip(tgt, top1)):
-                    ok = s.argmax(j) == t
+                    ok = guess[j] == t
                     by_cat[cat].append(ok)
                     if p1 >= SURE:
                         sure.append(ok)
