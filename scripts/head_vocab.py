@@ -3,10 +3,14 @@
 
 A reduced head keeps the rows of the tokens ranked first here. What it must cover is what
 the draft proposes, so the ranking is, in order: how often the draft proposed the token
-(its greedy token after every position, teacher-forced, of the dev text below), then how
-often the token occurs in that text (FR-Spec's corpus frequency; each source weighted
-equally, so the large code corpus does not drown the chat text), then the token id (BPE
-ids roughly follow merge order, itself a frequency order). The text, all dev data or code:
+(its greedy token after every position, teacher-forced, of the dev text below), then the
+--corpus-tokens tokens most frequent in that text (FR-Spec's corpus frequency; each source
+weighted equally, so the large code corpus does not drown the chat text), then the token id
+(BPE ids follow merge order, itself a frequency order over the tokenizer's far larger and
+more general corpus). The corpus is cut short because past its most frequent tokens it
+ranks the code corpus's rare identifiers above common English words that the small dev text
+happens to lack (` capital` ranked 24,603rd: a 16k head held 8% fewer of the target's
+prose tokens). The text, all dev data or code:
   1. the Spec-Bench dev prompts that calibration fits on (every turn and reference answer of
      the 64-prompt fitting pool; bench excludes these prompts);
   2. the target's own greedy replies to those prompts' first turns (--outputs tokens each;
@@ -14,9 +18,10 @@ ids roughly follow merge order, itself a frequency order). The text, all dev dat
   3. HumanEval tasks 0-81 (the dev split): prompt and canonical solution;
   4. a code corpus: this Python's standard library sources (sorted, --code-bytes counted,
      the first --draft-code-tokens of them also run through the draft).
-It reports, for this ranking and for the corpus-only and id-only ones, how many of the
-draft's proposals on other dev prompts (2 per category, none of the above) the top
-8k/16k/32k hold, and writes specee_cpp/bundles/<tokenizer>.head-ranking.npz, which `NAME:vN`
+It reports, for this ranking and for the others below, how many of the draft's proposals on
+other dev prompts (2 per category, none of the above) and of the target's greedy replies
+to them the top 8k/16k/32k hold (a head can only propose what it holds; what it must hold
+is what the target writes), and writes specee_cpp/bundles/<tokenizer>.head-ranking.npz, which `NAME:vN`
 draft variants read (specee_cpp/models/head.py).
 
     python scripts/head_vocab.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
@@ -54,23 +59,26 @@ def code_corpus(max_bytes: int) -> tuple[list[str], str]:
     return texts, f"Python {sys.version.split()[0]} stdlib ({root}), {total} bytes"
 
 
-def target_replies(llm, pool, n_tokens: int, log) -> list[list[int]]:
-    """The target's greedy replies to the fitting prompts (cached: they take minutes)."""
+def replies(llm, prompts, n_tokens: int, log, tag: str) -> list[list[int]]:
+    """The target's greedy replies to ``prompts`` (first turns, cut to 256 tokens; cached
+    under $SPECEE_CPP_HOME/head-vocab: they take minutes)."""
     from specee_cpp.bench.suite import shorten
     from specee_cpp.paths import home
 
-    path = home() / "head-vocab" / f"replies-{llm.model.sha256[:16]}-{len(pool)}-{n_tokens}.json"
+    path = home() / "head-vocab" / f"{tag}-{llm.model.sha256[:16]}-{len(prompts)}-{n_tokens}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
     out = []
-    for k, p in enumerate(pool):
+    for k, p in enumerate(prompts):
         p = shorten(p, llm.model, 256)
         out.append(llm.generate([{"role": "user", "content": p.text}], max_tokens=n_tokens).tokens)
-        log(f"target reply {k + 1}/{len(pool)}: {len(out[-1])} tokens")
+        log(f"target {tag} {k + 1}/{len(prompts)}: {len(out[-1])} tokens")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)
     return out
 
 
@@ -98,6 +106,9 @@ def main() -> int:
                     help="tokens of the target's reply per fitting prompt (0: none)")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--code-bytes", type=int, default=4_000_000)
+    ap.add_argument("--corpus-tokens", type=int, default=2048,
+                    help="tokens ranked by corpus frequency after the draft's proposals; the "
+                         "rest follow by id")
     ap.add_argument("--draft-code-tokens", type=int, default=60_000,
                     help="code corpus tokens the draft is run over (the rest is counted only)")
     ns = ap.parse_args()
@@ -136,15 +147,15 @@ def main() -> int:
                 np.add.at(c, np.asarray(s_, dtype=np.int64), 1)
             return c
 
-        replies = target_replies(llm, pool, ns.outputs, log) if ns.outputs else []
+        fit_replies = replies(llm, pool, ns.outputs, log, "replies") if ns.outputs else []
         dev_t, he_t, code_t = [tok(t) for t in dev_text], [tok(t) for t in he_text], \
             [tok(t) for t in code]
         corpus = {"dev prompts (fitting pool: turns + references)": count(dev_t),
                   "HumanEval 0-81 prompt + canonical solution": count(he_t),
                   code_src: count(code_t)}
-        if replies:
+        if fit_replies:
             corpus[f"target greedy replies to the fitting pool ({ns.outputs} tokens)"] = \
-                count(replies)
+                count(fit_replies)
         # what the head must cover is what the draft proposes: its greedy token after every
         # position of the dev text (teacher-forced), code capped at --draft-code-tokens
         code_cap, capped = [], 0
@@ -153,33 +164,52 @@ def main() -> int:
                 break
             code_cap.append(t[:ns.draft_code_tokens - capped])
             capped += len(code_cap[-1])
-        fitted = dev_t + replies + he_t + code_cap
+        fitted = dev_t + fit_replies + he_t + code_cap
         predicted = count(draft_argmax(llm, fitted, log))
         # held out: the draft's proposals on dev prompts that nothing above was counted on
-        held = [tok(p.text) for p in per_category(load_spec_bench(DEV_PROMPTS), 2,
-                                                  {p.id for p in pool})]
+        held_prompts = per_category(load_spec_bench(DEV_PROMPTS), 2, {p.id for p in pool})
+        held = [tok(p.text) for p in held_prompts]
         held_pred = np.concatenate([np.asarray(a) for a in draft_argmax(llm, held, log)])
+        held_target = np.concatenate(
+            [np.asarray(a, dtype=np.int64) for a in replies(llm, held_prompts, 64, log, "held")])
 
     weight = sum(c / max(c.sum(), 1.0) for c in corpus.values()) / len(corpus)
     ids = np.arange(n_vocab)
-    rankings = {"draft proposals, then corpus, then id": np.lexsort((ids, -weight, -predicted)),
+
+    def then_id(first: np.ndarray) -> np.ndarray:
+        """``first`` in its order, then every other id increasing."""
+        return np.concatenate([first, np.setdiff1d(ids, first, assume_unique=True)])
+
+    by_draft = np.lexsort((ids, -weight, -predicted))      # proposals, then corpus, then id
+    proposed = by_draft[:int((predicted > 0).sum())]
+    chosen = f"draft proposals, then the corpus's top {ns.corpus_tokens}, then id"
+    rankings = {chosen: then_id(by_draft[:proposed.size + ns.corpus_tokens]),
+                "draft proposals, then corpus, then id": by_draft,
+                "draft proposals, then id": then_id(proposed),
                 "corpus frequency, then id (FR-Spec)": np.lexsort((ids, -weight)),
                 "token id (BPE merge order)": ids}
     coverage = {}
     for name, order in rankings.items():
-        coverage[name] = {f"{n // 1024}k": round(float(np.isin(held_pred, order[:n]).mean()), 4)
-                          for n in (8192, 16384, 32768)}
-        log(f"held-out draft proposals covered by the top 8k/16k/32k, {name}: "
-            + " / ".join(f"{v:.4f}" for v in coverage[name].values()))
-    order = rankings["draft proposals, then corpus, then id"][:KEEP]
+        coverage[name] = {
+            what: {f"{n // 1024}k": round(float(np.isin(held_x, order[:n]).mean()), 4)
+                   for n in (8192, 16384, 32768)}
+            for what, held_x in (("draft proposals", held_pred), ("target replies", held_target))}
+        log(f"held-out top 8k/16k/32k, {name}: draft proposals "
+            + " / ".join(f"{v:.4f}" for v in coverage[name]["draft proposals"].values())
+            + ", target replies "
+            + " / ".join(f"{v:.4f}" for v in coverage[name]["target replies"].values()))
+    order = rankings[chosen][:KEEP]
     meta = {"command": "python scripts/head_vocab.py " + " ".join(sys.argv[1:]),
             "date": datetime.date.today().isoformat(), "target": ns.target, "draft": ns.draft,
             "n_vocab": n_vocab, "corpus_tokens": {k: int(c.sum()) for k, c in corpus.items()},
             "draft_proposals_counted": int(predicted.sum()),
             "distinct_proposed": int((predicted > 0).sum()),
-            "held_out_coverage": coverage, "held_out_positions": int(held_pred.size),
+            "ranking": chosen, "held_out_coverage": coverage,
+            "held_out_positions": int(held_pred.size),
+            "held_out_target_tokens": int(held_target.size),
             "split": "fitted on dev only (Spec-Bench fitting pool, HumanEval 0-81) + a code "
-                     "corpus; coverage on other dev prompts (2 per category)"}
+                     "corpus; coverage on other dev prompts (2 per category) and the "
+                     "target's greedy replies to them (64 tokens)"}
     path = save_ranking(fp, order, predicted[order] + weight[order], meta)
     log(f"wrote {path}")
     return 0
