@@ -118,7 +118,7 @@ def main() -> int:
     from specee_cpp.bench.prompts import DEV_PROMPTS, fitting_pool, load_spec_bench, per_category
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.models.head import save_ranking
+    from specee_cpp.models.head import rank_tokens, save_ranking
 
     def log(msg: str) -> None:
         print(f"[head-vocab] {msg}", file=sys.stderr, flush=True)
@@ -176,18 +176,13 @@ def main() -> int:
     weight = sum(c / max(c.sum(), 1.0) for c in corpus.values()) / len(corpus)
     ids = np.arange(n_vocab)
 
-    def then_id(first: np.ndarray) -> np.ndarray:
-        """``first`` in its order, then every other id increasing."""
-        return np.concatenate([first, np.setdiff1d(ids, first, assume_unique=True)])
-
-    by_draft = np.lexsort((ids, -weight, -predicted))      # proposals, then corpus, then id
-    proposed = by_draft[:int((predicted > 0).sum())]
     chosen = f"draft proposals, then the corpus's top {ns.corpus_tokens}, then id"
-    rankings = {chosen: then_id(by_draft[:proposed.size + ns.corpus_tokens]),
-                "draft proposals, then corpus, then id": by_draft,
-                "draft proposals, then id": then_id(proposed),
-                "corpus frequency, then id (FR-Spec)": np.lexsort((ids, -weight)),
-                "token id (BPE merge order)": ids}
+    none = np.zeros(n_vocab)
+    rankings = {chosen: rank_tokens(predicted, weight, ns.corpus_tokens),
+                "draft proposals, then corpus, then id": rank_tokens(predicted, weight, n_vocab),
+                "draft proposals, then id": rank_tokens(predicted, none, 0),
+                "corpus frequency, then id (FR-Spec)": rank_tokens(none, weight, n_vocab),
+                "token id (BPE merge order)": np.arange(n_vocab)}
     coverage = {}
     for name, order in rankings.items():
         coverage[name] = {

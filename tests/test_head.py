@@ -12,7 +12,8 @@ from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM, resolve
 from specee_cpp.engine.sequence import Sequence
 from specee_cpp.errors import DecodeError, ModelFileError, SpeceeError
-from specee_cpp.models.head import HEAD_KEY, head_ids, parse_size, write_gguf, write_reduced
+from specee_cpp.models.head import (HEAD_KEY, head_ids, parse_size, rank_tokens, write_gguf,
+                                    write_reduced)
 
 N_HEAD = 2048
 PROMPTS = ["def fibonacci(n):", "The capital of France is"]
@@ -44,6 +45,16 @@ def test_head_ids_keep_control_tokens_and_the_ranking():
     assert ids.tolist() == [3, 5, 7, 9]
     with pytest.raises(SpeceeError, match="not reduced"):
         head_ids(np.arange(10), 10, np.array([], dtype=np.int64), 10)
+
+
+def test_rank_tokens_puts_proposals_then_the_corpus_top_then_ids():
+    proposed = np.array([0, 5, 0, 0, 9, 0, 0, 0], dtype=float)
+    frequency = np.array([0.1, 0.0, 0.3, 0.0, 0.2, 0.5, 0.0, 0.4])
+    # proposals by count (4, 1), the corpus's top 2 of the rest (5, 7), the rest by id
+    assert rank_tokens(proposed, frequency, 2).tolist() == [4, 1, 5, 7, 0, 2, 3, 6]
+    # the whole corpus ranking: its zero-frequency tail by id
+    assert rank_tokens(proposed, frequency, 8).tolist() == [4, 1, 5, 7, 2, 0, 3, 6]
+    assert rank_tokens(np.zeros(8), np.zeros(8), 3).tolist() == list(range(8))
 
 
 def test_parse_size():

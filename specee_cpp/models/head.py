@@ -76,6 +76,20 @@ def save_ranking(tokenizer_fingerprint: str, ids: np.ndarray, counts: np.ndarray
     return path
 
 
+def rank_tokens(proposed: np.ndarray, frequency: np.ndarray, corpus_tokens: int) -> np.ndarray:
+    """Every token id, ranked for a reduced head: the draft's proposals (``proposed[i]``:
+    how often the draft proposed token i; most first), then the ``corpus_tokens`` most
+    frequent of the rest in the corpus (``frequency``), then every other id increasing.
+
+    Ties break by id. The corpus is cut short because a code corpus's long tail ranks rare
+    identifiers above common words the dev text lacks; BPE ids follow merge order, itself a
+    frequency order over the tokenizer's far larger corpus."""
+    ids = np.arange(proposed.size)
+    by_use = np.lexsort((ids, -frequency, -proposed))
+    first = by_use[:int((proposed > 0).sum()) + max(corpus_tokens, 0)]
+    return np.concatenate([first, np.setdiff1d(ids, first, assume_unique=True)])
+
+
 def control_tokens(reader) -> np.ndarray:
     field = reader.fields.get("tokenizer.ggml.token_type")
     if field is None:
