@@ -66,6 +66,8 @@ def main() -> int:
             table = cost_model(llm)
             mb = llm.draft_path.stat().st_size / 2**20
             n_head = llm.dft.model.n_head or llm.dft.model.n_vocab
+            # a reduced head's file name carries its ranking's digest: which head was measured
+            file_name = llm.draft_path.name
         c = table.points[0]
         v1, where = c.plain, table.machine
         print(f"[variants] {name}: acceptance (spec-{ns.gamma})", file=sys.stderr)
@@ -76,7 +78,8 @@ def main() -> int:
         e = s["configs"][f"spec-{ns.gamma}"]
         accepted[qtype] = {"acceptance": round(e["acceptance"] or 0.0, 4), "gamma": ns.gamma,
                            "drafted": e.get("n_drafted"), "prompts": e.get("prompts"),
-                           "draft_token_ratio_where_measured": round(c.draft_token_s / v1, 3)}
+                           "draft_token_ratio_where_measured": round(c.draft_token_s / v1, 3),
+                           "file": file_name}
         best = max(range(1, 9), key=lambda g: c.expected_tps(e["acceptance"] or 0, g))
         rows.append(f"| {qtype}{' (shipped)' if qtype == shipped else ''} | {mb:.0f} | "
                     f"{n_head} | "
