@@ -9,8 +9,8 @@ weighted equally, so the large code corpus does not drown the chat text), then t
 (BPE ids follow merge order, itself a frequency order over the tokenizer's far larger and
 more general corpus). The corpus is cut short because past its most frequent tokens it
 ranks the code corpus's rare identifiers above common English words that the small dev text
-happens to lack (` capital` ranked 24,603rd: a 16k head held 8% fewer of the target's
-prose tokens). The text, all dev data or code:
+happens to lack (` capital` ranked 24,603rd, and a 16k head missed 8.2% of the target's
+answer tokens, 6.8% after the cut). The text, all dev data or code:
   1. the Spec-Bench dev prompts that calibration fits on (every turn and reference answer of
      the 64-prompt fitting pool; bench excludes these prompts);
   2. the target's own greedy replies to those prompts' first turns (--outputs tokens each;
@@ -21,8 +21,8 @@ prose tokens). The text, all dev data or code:
 It reports, for this ranking and for the others below, how many of the draft's proposals on
 other dev prompts (2 per category, none of the above) and of the target's greedy replies
 to them the top 8k/16k/32k hold (a head can only propose what it holds; what it must hold
-is what the target writes), and writes specee_cpp/bundles/<tokenizer>.head-ranking.npz, which `NAME:vN`
-draft variants read (specee_cpp/models/head.py).
+is what the target writes), and writes specee_cpp/bundles/<tokenizer>.head-ranking.npz,
+which `NAME:vN` draft variants read (specee_cpp/models/head.py).
 
     python scripts/head_vocab.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 """
@@ -174,8 +174,6 @@ def main() -> int:
             [np.asarray(a, dtype=np.int64) for a in replies(llm, held_prompts, 64, log, "held")])
 
     weight = sum(c / max(c.sum(), 1.0) for c in corpus.values()) / len(corpus)
-    ids = np.arange(n_vocab)
-
     chosen = f"draft proposals, then the corpus's top {ns.corpus_tokens}, then id"
     none = np.zeros(n_vocab)
     rankings = {chosen: rank_tokens(predicted, weight, ns.corpus_tokens),
