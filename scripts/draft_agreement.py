@@ -4,8 +4,9 @@
 For dev prompts (Spec-Bench, `--per-category` per category outside the calibration pool,
 cut to `--max-prompt-tokens`), the target's greedy answer is generated here; or the prompts
 and `plain` answers of bench runs are read back (`--records`, and `--code-records` for a
-HumanEval run, whose tasks join the table). Then each draft variant reads prompt + answer in one batch and its greedy
-token after every answer position is compared with the target's. That is the acceptance of
+HumanEval run, whose tasks join the table). Then each draft variant reads prompt + answer
+in one batch and its greedy token after every answer position is compared with the
+target's. That is the acceptance of
 a draft of length 1 with none of the round structure: an upper bound of what the draft can
 reach there, cheap to take for many variants on many prompts. A reduced head (`:vN`) can
 never propose a token it has no row for; the table also gives the share of the target's

@@ -39,6 +39,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 KEEP = 65536        # ranked ids stored; heads beyond this are hardly reduced
+HELD_REPLY_TOKENS = 64  # of the target's replies to the held-out prompts
 
 
 def code_corpus(max_bytes: int) -> tuple[list[str], str]:
@@ -63,7 +64,7 @@ def replies(llm, prompts, n_tokens: int, log, tag: str) -> list[list[int]]:
     """The target's greedy replies to ``prompts`` (first turns, cut to 256 tokens; cached
     under $SPECEE_CPP_HOME/head-vocab: they take minutes)."""
     from specee_cpp.bench.suite import shorten
-    from specee_cpp.paths import home
+    from specee_cpp.paths import home, write_text_atomic
 
     path = home() / "head-vocab" / f"{tag}-{llm.model.sha256[:16]}-{len(prompts)}-{n_tokens}.json"
     try:
@@ -75,10 +76,7 @@ def replies(llm, prompts, n_tokens: int, log, tag: str) -> list[list[int]]:
         p = shorten(p, llm.model, 256)
         out.append(llm.generate([{"role": "user", "content": p.text}], max_tokens=n_tokens).tokens)
         log(f"target {tag} {k + 1}/{len(prompts)}: {len(out[-1])} tokens")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(out))
     return out
 
 
@@ -170,8 +168,8 @@ def main() -> int:
         held_prompts = per_category(load_spec_bench(DEV_PROMPTS), 2, {p.id for p in pool})
         held = [tok(p.text) for p in held_prompts]
         held_pred = np.concatenate([np.asarray(a) for a in draft_argmax(llm, held, log)])
-        held_target = np.concatenate(
-            [np.asarray(a, dtype=np.int64) for a in replies(llm, held_prompts, 64, log, "held")])
+        held_replies = replies(llm, held_prompts, HELD_REPLY_TOKENS, log, "held")
+        held_target = np.concatenate([np.asarray(a, dtype=np.int64) for a in held_replies])
 
     weight = sum(c / max(c.sum(), 1.0) for c in corpus.values()) / len(corpus)
     chosen = f"draft proposals, then the corpus's top {ns.corpus_tokens}, then id"
@@ -202,7 +200,7 @@ def main() -> int:
             "held_out_target_tokens": int(held_target.size),
             "split": "fitted on dev only (Spec-Bench fitting pool, HumanEval 0-81) + a code "
                      "corpus; coverage on other dev prompts (2 per category) and the "
-                     "target's greedy replies to them (64 tokens)"}
+                     f"target's greedy replies to them ({HELD_REPLY_TOKENS} tokens)"}
     path = save_ranking(fp, order, predicted[order] + weight[order], meta)
     log(f"wrote {path}")
     return 0
