@@ -516,6 +516,35 @@ def test_exploring_prices_the_drafts_catch_up():
     assert explores(xeon, 16, 48) and not explores(xeon, 16, 5)
 
 
+def test_a_losing_guard_probes_where_a_generation_starts_not_after_a_long_catch_up():
+    """After a verdict against drafting the guard's wait counts every step; once it is over
+    mid-answer, a round that would first catch the draft up on a long stretch (the prompt it
+    did not read while the guard waited, the wait's own plain steps) stays plain: such
+    probes read 4-9 plain tokens' worth for 7-32-token translation answers on the Ice Lake
+    Xeon and then lost again. The next generation reads its prompt up front and probes."""
+    pol = policies.CostAwareGamma(LastRate(), XEON, 4.85)
+    sure = [0.05, 0.1, 0.99, 0.97, 0.9, 4.85]       # the last round: 90% accepted
+
+    def plan(behind, room=60):
+        pol.feats = list(sure)
+        pol.at_context(300, behind, room)
+        return pol.plan()
+
+    assert plan(40) == 8                            # not losing: a catch-up of 40 pays here
+    pol.guard.wait, pol.guard.losing = 3, True      # as after a verdict against drafting
+    pol.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]   # the round model would not draft...
+    pol.at_context(300, 1, 60)
+    assert pol.plan() == 0 and pol.guard.wait == 2  # ...and the wait still counts the step
+    assert [plan(1), plan(1)] == [0, 0] and pol.guard.wait == 0
+    assert plan(40) == 0 and pol.predicted_tps() == 0.0   # wait over, losing, far behind
+    for _ in range(2 * pol.explore_every):
+        assert plan(40) == 0                        # no exploring round pays it either
+    assert pol.reads_prompt(40, 60)                 # a generation's start: read, probe
+    assert plan(2) == 8                             # in step after the read: a probe
+    pol.update(8, 8, [0.99] * 8, [0.05] * 8, seconds=0.2, tried=True)
+    assert not pol.guard.losing and plan(40) == 8   # probed: catch-ups priced as before
+
+
 def test_a_predicted_round_prices_a_long_catch_up():
     """A round the round model predicts to pay still first catches the draft up on what it
     missed; far behind (a prompt it did not read while the guard held drafting back, seen

@@ -72,3 +72,18 @@ def test_catch_up_is_charged_except_to_the_first_round_after_a_wait():
     assert g.gate(4) == 4                                          # the probe won
     g.observe(n_drafted=3, tokens=4, seconds=0.5, catch_up=0.3)
     assert g.gate(4) == 0                                          # charged again
+
+
+def test_losing_holds_from_a_verdict_against_drafting_to_the_next_drafted_round():
+    g = Guard(plain_tps_prior=10.0, window=2, first_backoff=4)
+    lose(g, 1)
+    assert not g.losing                  # no verdict yet
+    lose(g, 1)
+    assert g.losing and g.wait == 4      # the verdict: slower than plain
+    for _ in range(4):
+        assert g.hold()                  # each call is one step of the wait
+    assert not g.hold() and g.losing     # the wait is over; no drafted round yet
+    g.observe(n_drafted=0, tokens=1, seconds=0.1)
+    assert g.losing                      # a plain step is no probe
+    lose(g, 1)
+    assert not g.losing                  # a drafted round probed (its verdict comes later)

@@ -157,7 +157,10 @@ class Guard:
     of drafting with the model in between, large in copy-heavy work at long contexts. Only
     the first drafted round after a wait is judged without it: that catch-up is the wait's
     own length (or the whole prompt, when a generation started waiting), not a cost the
-    rounds to come will pay."""
+    rounds to come will pay.
+
+    ``losing`` holds from a verdict against drafting until the next drafted round: while it
+    holds, the policy does not pay a long catch-up to probe (see ``CostAwareGamma``)."""
 
     def __init__(self, plain_tps_prior: float, window: int = 4, first_backoff: int = 16,
                  max_backoff: int = 512):
@@ -169,6 +172,7 @@ class Guard:
         self.n_judged = 0            # drafted rounds since the last verdict
         self.backoff, self.wait = first_backoff, 0
         self.waited = False          # a wait ran since the last drafted round
+        self.losing = False          # the last verdict went against drafting, no probe since
         # catching the draft up on n tokens costs about one draft decode (the weights read
         # once) plus n times this, in plain steps as seen here (None: none seen yet); what a
         # drafted round after plain steps pays first
@@ -181,11 +185,18 @@ class Guard:
         return self.plain if self.plain is not None else self.plain_prior
 
     def gate(self, want: int) -> int:
+        return 0 if self.hold() else want
+
+    def hold(self) -> bool:
+        """Whether the policy stays at plain decoding this step; each call while waiting
+        is one step of the wait. A policy that calls it every step counts its wait in steps,
+        whatever it would have drafted; one that calls ``gate`` only when it wants to draft
+        counts those steps alone."""
         if self.wait > 0:
             self.wait -= 1
             self.waited = True
-            return 0
-        return want
+            return True
+        return False
 
     def learn_catch_up(self, seconds: float, n_tokens: int, fixed: float) -> None:
         """The draft read ``n_tokens`` in one batch in ``seconds``, of which ``fixed`` (one
@@ -208,6 +219,7 @@ class Guard:
             self.learn_catch_up(catch_up, behind, fixed)
         if self.waited:
             seconds, self.waited = max(seconds - catch_up, 1e-9), False
+        self.losing = False
         tps = tokens / seconds
         # after a wait, the probe is judged on its own rounds, not the ones that lost before
         self.drafted = tps if self.n_judged == 0 else self._ema(self.drafted, tps)
@@ -215,7 +227,7 @@ class Guard:
         if self.n_judged < self.window:
             return
         if self.drafted < self.plain_tps():
-            self.wait = self.backoff
+            self.wait, self.losing = self.backoff, True
             self.backoff = min(2 * self.backoff, self.max)
             self.n_judged = 0
         else:
@@ -363,13 +375,16 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
 
     def plan(self) -> int:
         self._exploring = False
-        if not self.can_pay:
+        # the guard's wait counts every step, not only those the round model would draft:
+        # counted the other way, a wait outlived the rounds that a losing guard declines
+        # (a long catch-up, below) and held drafting back for good
+        if not self.can_pay or self.guard.hold():
             return 0
         tps = self._tps()
         best = int(np.argmax(tps))
         if tps[best] > self.plain_tps and self._catch_up_pays(float(tps[best])):
             self.n_plain = 0
-            g = self.guard.gate(int(self.gammas[best]))
+            g = int(self.gammas[best])
         else:
             self.n_plain += 1
             if self.n_plain < self.explore_every:
@@ -382,10 +397,9 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
             self.n_plain = 0
             if not self._exploring_can_pay():
                 return 0
-            g = self.guard.gate(int(self.gammas.max()))
-            self._exploring = g > 0
-        if g:
-            self._start_round()
+            g = int(self.gammas.max())
+            self._exploring = True
+        self._start_round()
         return g
 
     def _exploring_can_pay(self) -> bool:
@@ -395,6 +409,8 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         drafted again), then risks one rejected token. Its lesson can at best make every
         token left (``room``, at most ``EXPLORE_HORIZON``) as cheap as the fastest round
         with all its drafts accepted; explore only where that saving exceeds the price."""
+        if self._losing_far_behind():
+            return False
         c = self.costs
         # a round's first draft decode is paid anyway; the catch-up replaces it when longer
         price = c.draft(1) + self._catch_up_extra_s() + c.verify(2) - c.plain
@@ -433,18 +449,34 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         if room is None or self.guard.catch_up_rel is None:
             return True
         self.behind, self.room = behind, room
-        return self._catch_up_pays(float(self._tps().max()), horizon=room)
+        return self._catch_up_pays(float(self._tps().max()), horizon=room, start=True)
 
-    def _catch_up_pays(self, tps: float, horizon: int | None = None) -> bool:
+    def _losing_far_behind(self) -> bool:
+        """Whether the guard's last verdict went against drafting (no drafted round since)
+        and the draft is far behind: a probe would first pay a long catch-up, mid-answer.
+        Such probes lost on the Ice Lake Xeon (Spec-Bench dev first turns, 64 tokens): a
+        generation that began while the guard waited left its prompt unread, and the first
+        round after the wait read it at 4-9 plain tokens, for answers of 7-32 tokens in
+        translation (12 prompts: 5 such rounds, ~19 plain tokens), then drafted at the ~60%
+        acceptance that had lost before. A losing guard probes again where a generation
+        starts: the prompt read up front (``reads_prompt``) and the rounds after it in step.
+        """
+        return self.guard.losing and self.behind > ROUND_CATCH_UP
+
+    def _catch_up_pays(self, tps: float, horizon: int | None = None,
+                       start: bool = False) -> bool:
         """Whether rounds at ``tps`` (predicted) win back what catching the draft up costs
         beyond a round's own first draft decode, over ``horizon`` tokens (default: the tokens
         left, ``_horizon``). Only a draft far behind (plain steps, free drafts, a prompt it
         did not read up front) has a price to weigh: on the Ice
         Lake Xeon a first model round that read a summarization prompt of ~250 tokens cost
         ~15 plain tokens, a quarter of a 64-token answer, and the two rounds after it
-        could not win that back (first turns 0.76-0.86x plain there)."""
+        could not win that back (first turns 0.76-0.86x plain there). ``start``: the
+        prompt's read as a generation starts, where a losing guard probes again."""
         if self.behind <= ROUND_CATCH_UP:
             return True
+        if not start and self._losing_far_behind():
+            return False
         saving = self.costs.plain - 1.0 / tps
         horizon = self._horizon() if horizon is None else horizon
         return horizon * saving > self._catch_up_extra_s()
