@@ -520,7 +520,7 @@ def test_a_losing_guard_probes_where_a_generation_starts_not_after_a_long_catch_
     """After a verdict against drafting the guard's wait counts every step; once it is over
     mid-answer, a round that would first catch the draft up on a long stretch (the prompt it
     did not read while the guard waited, the wait's own plain steps) stays plain: such
-    probes read 4-9 plain tokens' worth for 7-32-token translation answers on the Ice Lake
+    probes read 5-7 plain steps' worth for 7-32-token translation answers on the Ice Lake
     Xeon and then lost again. The next generation reads its prompt up front and probes."""
     pol = policies.CostAwareGamma(LastRate(), XEON, 4.85)
     sure = [0.05, 0.1, 0.99, 0.97, 0.9, 4.85]       # the last round: 90% accepted

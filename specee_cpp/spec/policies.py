@@ -456,9 +456,10 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         and the draft is far behind: a probe would first pay a long catch-up, mid-answer.
         Such probes lost on the Ice Lake Xeon (Spec-Bench dev first turns, 64 tokens): a
         generation that began while the guard waited left its prompt unread, and the first
-        round after the wait read it at 4-9 plain tokens, for answers of 7-32 tokens in
-        translation (12 prompts: 5 such rounds, ~19 plain tokens), then drafted at the ~60%
-        acceptance that had lost before. A losing guard probes again where a generation
+        round after the wait read it at 5-7 plain steps (3.5-4 more than a round in step),
+        in translation answers of 7-32 tokens (12 prompts: 4 such rounds; 3 more caught up
+        on the wait's own steps at ~1 step more each), then drafted at the ~60% acceptance
+        that had lost before. A losing guard probes again where a generation
         starts: the prompt read up front (``reads_prompt``) and the rounds after it in step.
         """
         return self.guard.losing and self.behind > ROUND_CATCH_UP
