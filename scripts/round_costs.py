@@ -44,11 +44,12 @@ def main() -> int:
     from specee_cpp.bench.prompts import DEV_PROMPTS, load_spec_bench
     from specee_cpp.bench.suite import shorten
     from specee_cpp.engine.llm import load
-    from specee_cpp.spec.mode import cost_model
+    from specee_cpp.spec.mode import SpecOptions, cost_model
 
     with load(ns.target, draft=ns.draft) as llm:
         by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
         plain, rounds, table = [], defaultdict(list), None
+        total = defaultdict(lambda: [0.0, 0])   # mode -> seconds, tokens over all prompts
         for _ in range(ns.repeats):
             for i in ns.ids.split(","):
                 p = shorten(by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"], llm.model,
@@ -76,6 +77,8 @@ def main() -> int:
                              s.timings.get("draft", 0.0), s.n_accept,
                              s.timings.get("catch_up", 0.0), sum(s.timings.values())))
                     speeds[mode] = (time.perf_counter() - t0) / max(n, 1)
+                    total[mode][0] += time.perf_counter() - t0
+                    total[mode][1] += n
                 if ns.with_plain:
                     print(f"{p.id} ({p.category}): plain {speeds['plain'] * 1e3:.1f} ms a "
                           f"token, spec {speeds['spec'] * 1e3:.1f} "
@@ -83,6 +86,14 @@ def main() -> int:
     if not plain or table is None:
         print("no plain steps to compare with", file=sys.stderr)
         return 1
+    if ns.with_plain:
+        (ps, pn), (ss, sn) = total["plain"], total["spec"]
+        print(f"all prompts: plain {ps / pn * 1e3:.1f} ms a token, spec {ss / sn * 1e3:.1f} "
+              f"({(ps / pn) / (ss / sn):.3f}x)")
+    corr = llm.cached(("spec", "correction", "spec", SpecOptions(gamma="auto")), lambda: None)
+    if corr is not None:
+        print(f"the round model's correction after these prompts: x{corr.factor:.3f} "
+              f"(accepted {corr.observed:.1f} / predicted {corr.predicted:.1f}, decayed)")
     pm = st.median(plain)
     print(f"{len(plain)} plain steps, median {pm * 1e3:.1f} ms (table: "
           f"{table.points[0].plain * 1e3:.1f} ms at {table.points[0].context} tokens)")

@@ -278,6 +278,8 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     first = draft_policy(pair, auto)
     assert draft_policy(pair, auto).guard is first.guard
     assert draft_policy(pair, stop).guard is not first.guard
+    assert draft_policy(pair, auto).correction is first.correction   # kept alike
+    assert draft_policy(pair, stop).correction is None   # no round model to correct
     free = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
     assert free.stats.n_drafted > 0
     first.guard.wait = 10_000   # as after probes that kept losing
@@ -543,6 +545,45 @@ def test_a_losing_guard_probes_where_a_generation_starts_not_after_a_long_catch_
     assert plan(2) == 8                             # in step after the read: a probe
     pol.update(8, 8, [0.99] * 8, [0.05] * 8, seconds=0.2, tried=True)
     assert not pol.guard.losing and plan(40) == 8   # probed: catch-ups priced as before
+
+
+class Constant(LastRate):
+    """Predicts 0.8 of every gamma accepted, whatever the last round did."""
+
+    def rates(self, feats, gammas):
+        return np.full(len(gammas), 0.8)
+
+
+def test_a_round_model_that_overpromises_is_corrected_by_the_rounds_it_planned():
+    """The round model fitted for one draft predicts too much for another (the 16k-head
+    IQ4_NL draft outside code on the Ice Lake Xeon): the accepted tokens of the rounds it
+    planned scale its rates down until its rounds stop paying, gradually (one round is
+    not a verdict), and back up when rounds come out as it said or as plain steps pass
+    without rounds to judge (else drafting, once stopped, could never be judged again)."""
+    pol = policies.CostAwareGamma(Constant(), XEON, 4.85)
+
+    def round_(accepted):
+        pol.at_context(100, 1, None)
+        g = pol.plan()
+        if g:   # no guard verdict here: seconds 0, so only the correction can stop it
+            pol.update(g, accepted, [0.5] * g, [1.0] * g, tried=True)
+        return g
+
+    assert round_(2) == 8                       # 0.8 predicted: 8 tokens pay on the Xeon
+    assert 0.8 < pol.correction.factor < 1.0    # one round of 2 of 8 moves it a little
+    drafted = [round_(2) for _ in range(6)]
+    assert drafted[:2] == [8, 8] and drafted[-1] == 0   # a run of them stops drafting
+    assert pol.correction.factor < 0.7 and pol.predicted_tps() < 1.0 / XEON.plain
+    low = pol.correction.factor
+    for _ in range(2 * 128):   # plain steps: the evidence fades
+        pol.update(0, 0, [], [])
+    assert low < pol.correction.factor < 1.0 and round_(2) == 8   # and drafting probes
+    good = policies.CostAwareGamma(Constant(), XEON, 4.85)
+    good.correction = pol.correction            # a pair's correction serves its next answers
+    for _ in range(40):
+        good.correction.observe(6.4, 7)         # rounds as the model said (and a bit more)
+    assert good.correction.factor > 1.0 and good.plan() == 8
+    assert good.correction.apply(np.array([0.9, 0.5])).max() <= 0.99
 
 
 def test_a_predicted_round_prices_a_long_catch_up():

@@ -208,8 +208,9 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     loaded pair and these options: a chat's next turn, the server's next request and a
     bench's next prompt start from what the last generations learned, instead of paying
     again for the drafted rounds that teach a fresh guard that drafting loses here (in
-    64-token answers that was most of the answer). ``kind`` keeps apart the guards of
-    modes that verify differently (spec-ee passes its own options)."""
+    64-token answers that was most of the answer); so does the correction of the round model
+    (what its predicted acceptance came to on this pair). ``kind`` keeps apart the guards
+    of modes that verify differently (spec-ee passes its own options)."""
     from .policies import make_policy
 
     g = opts.gamma
@@ -221,6 +222,9 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
                          bpw=llm.model.bits_per_weight)
     if policy.guard is not None:
         policy.guard = llm.cached(("spec", "guard", kind, opts), lambda: policy.guard)
+    if policy.correction is not None:
+        policy.correction = llm.cached(("spec", "correction", kind, opts),
+                                        lambda: policy.correction)
     return policy
 
 

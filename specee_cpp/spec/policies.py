@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import MAX_GAMMA
 from ..errors import SpeceeError
-from .acceptance import AcceptanceModel, round_stats
+from .acceptance import AcceptanceModel, Correction, round_stats
 from .cost import CostModel, CostTable, as_table
 
 # cost-aware policies re-read their costs when the cache crosses a multiple of this
@@ -37,6 +37,7 @@ class DraftPolicy:
     needs_confidence = False
     plan_is_plain = False   # True: plan() is always 0, so plain decoding can run instead
     guard: Guard | None = None   # the cost-aware policies': what drafting really reached
+    correction: Correction | None = None   # ours: the round model against real rounds
     behind, room = 0, None       # at_context's, for the round being planned
 
     def plan(self) -> int:
@@ -249,7 +250,14 @@ class _RoundModelPolicy(DraftPolicy):
     def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
                catch_up=0.0) -> None:
         if n_drafted:
+            if self.correction is not None:
+                # what the model said of this round's length, from the features it was
+                # planned on (the token rule may have cut it short of the planned gamma)
+                rate = float(self.model.rates(self.feats, np.array([n_drafted]))[0])
+                self.correction.observe(rate * n_drafted, n_accept)
             self.feats = round_stats(top1[:n_drafted], entropy[:n_drafted], n_accept) + [self.bpw]
+        elif self.correction is not None:
+            self.correction.plain_step()
         super().update(n_drafted, n_accept, top1, entropy, seconds, tried, catch_up)
 
 
@@ -354,6 +362,7 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
     def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
                  gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16):
         super().__init__(model, bpw, gammas)
+        self.correction = Correction()
         self.explore_every = explore_every
         self.n_plain = 0
         self._use_costs(costs, int(self.gammas.max()))
@@ -364,7 +373,8 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         self.plain_tps = 1.0 / costs.plain
 
     def _tps(self) -> np.ndarray:
-        return (1.0 + self.model.rates(self.feats, self.gammas) * self.gammas) / self.time
+        rates = self.correction.apply(self.model.rates(self.feats, self.gammas))
+        return (1.0 + rates * self.gammas) / self.time
 
     def predicted_tps(self) -> float:
         if not self.can_pay or self.guard.wait > 0:
