@@ -280,6 +280,9 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     assert draft_policy(pair, stop).guard is not first.guard
     assert draft_policy(pair, auto).correction is first.correction   # kept alike
     assert draft_policy(pair, stop).correction is None   # no round model to correct
+    raw = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz", context=False,
+                      correction=False)
+    assert draft_policy(pair, raw).correction is None and draft_policy(pair, raw).plan() > 0
     free = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
     assert free.stats.n_drafted > 0
     first.guard.wait = 10_000   # as after probes that kept losing

@@ -62,6 +62,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # auto without the free drafts from the context: the draft model's part alone
     BenchConfig("spec-auto-model", "ours", True, mode="spec",
                 options=SpecOptions(gamma="auto", context=False), needs_draft=True),
+    # auto with the round model's predictions as fitted, uncorrected by its rounds: the
+    # same-run A/B of that correction
+    BenchConfig("spec-auto-raw", "ours", True, mode="spec",
+                options=SpecOptions(gamma="auto", correction=False), needs_draft=True),
     # The defaults (ee-draft, spec-ee) run as a user gets them. Every other early-exit
     # configuration is measured with --unsafe-exits: a benchmark reports their quality, and
     # a provider/rule/target whose exits were measured above the target end to end

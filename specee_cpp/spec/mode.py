@@ -38,6 +38,9 @@ class SpecOptions:
     # also draft from this user's earlier outputs, kept on this machine (spec/history.py);
     # opt-in, and only with the context drafts of auto/stop
     history: bool = False
+    # auto: scale the round model's predicted acceptance by what its rounds reached
+    # (spec/acceptance.Correction); off only to measure what it does (bench spec-auto-raw)
+    correction: bool = True
 
     def __post_init__(self) -> None:
         g = self.gamma
@@ -222,6 +225,8 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
                          bpw=llm.model.bits_per_weight)
     if policy.guard is not None:
         policy.guard = llm.cached(("spec", "guard", kind, opts), lambda: policy.guard)
+    if policy.correction is not None and not opts.correction:
+        policy.correction = None
     if policy.correction is not None:
         policy.correction = llm.cached(("spec", "correction", kind, opts),
                                         lambda: policy.correction)
@@ -326,7 +331,9 @@ class Spec(Mode):
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode spec gamma {opts.gamma}"
                 + ("" if opts.context or opts.gamma not in NEEDS_COSTS else " --no-context")
-                + (" --history" if opts.history else ""))
+                + (" --history" if opts.history else "")
+                + ("" if opts.correction or opts.gamma != "auto"
+                   else " (round model uncorrected, a bench-only option)"))
 
 
 register(Spec())

@@ -373,7 +373,9 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         self.plain_tps = 1.0 / costs.plain
 
     def _tps(self) -> np.ndarray:
-        rates = self.correction.apply(self.model.rates(self.feats, self.gammas))
+        rates = self.model.rates(self.feats, self.gammas)
+        if self.correction is not None:
+            rates = self.correction.apply(rates)
         return (1.0 + rates * self.gammas) / self.time
 
     def predicted_tps(self) -> float:
