@@ -44,7 +44,7 @@ def main() -> int:
     from specee_cpp.bench.prompts import DEV_PROMPTS, load_spec_bench
     from specee_cpp.bench.suite import shorten
     from specee_cpp.engine.llm import load
-    from specee_cpp.spec.mode import SpecOptions, cost_model
+    from specee_cpp.spec.mode import SpecOptions, cost_model, draft_policy
 
     with load(ns.target, draft=ns.draft) as llm:
         by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
@@ -76,8 +76,9 @@ def main() -> int:
                             (s.timings.get("verify", 0.0), c.verify(s.n_drafted + 1) / c.plain,
                              s.timings.get("draft", 0.0), s.n_accept,
                              s.timings.get("catch_up", 0.0), sum(s.timings.values())))
-                    speeds[mode] = (time.perf_counter() - t0) / max(n, 1)
-                    total[mode][0] += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    speeds[mode] = dt / max(n, 1)
+                    total[mode][0] += dt
                     total[mode][1] += n
                 if ns.with_plain:
                     print(f"{p.id} ({p.category}): plain {speeds['plain'] * 1e3:.1f} ms a "
@@ -90,8 +91,9 @@ def main() -> int:
         (ps, pn), (ss, sn) = total["plain"], total["spec"]
         print(f"all prompts: plain {ps / pn * 1e3:.1f} ms a token, spec {ss / sn * 1e3:.1f} "
               f"({(ps / pn) / (ss / sn):.3f}x)")
-    corr = llm.cached(("spec", "correction", "spec", SpecOptions(gamma="auto")), lambda: None)
-    if corr is not None:
+    # the pair's correction as the spec runs kept it (draft_policy returns the cached one)
+    corr = draft_policy(llm, SpecOptions(gamma="auto")).correction
+    if corr is not None and corr.rounds:
         print(f"the round model's correction after these prompts: x{corr.factor:.3f} "
               f"(accepted {corr.observed:.1f} / predicted {corr.predicted:.1f}, decayed)")
     pm = st.median(plain)

@@ -225,11 +225,9 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
                          bpw=llm.model.bits_per_weight)
     if policy.guard is not None:
         policy.guard = llm.cached(("spec", "guard", kind, opts), lambda: policy.guard)
-    if policy.correction is not None and not opts.correction:
-        policy.correction = None
     if policy.correction is not None:
         policy.correction = llm.cached(("spec", "correction", kind, opts),
-                                        lambda: policy.correction)
+                                       lambda: policy.correction) if opts.correction else None
     return policy
 
 
