@@ -176,11 +176,13 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
                 turns = (f", turns 2..{opts.turns} of multi-turn records through the chat path "
                          f"(earlier turns answered by plain greedy decoding, "
                          f"{HISTORY_TOKENS} tokens at most)" if opts.turns > 1 else "")
+                excluded = (", calibration prompts excluded" if opts.exclude_calibration
+                            else "")
                 settings = (f"{Path(opts.prompts).name} ({opts.per_category or 'all'} per category"
-                            f"{', calibration prompts excluded' if opts.exclude_calibration else ''}"
-                            f"{cut}{turns}), chat template for chat prompts, greedy, {opts.max_tokens} new "
-                            f"tokens, {cfg.threads} threads, configurations interleaved prompt "
-                            f"by prompt (their order rotated), every configuration from an empty KV cache; measured on "
+                            f"{excluded}{cut}{turns}), chat template for chat prompts, greedy, "
+                            f"{opts.max_tokens} new tokens, {cfg.threads} threads, configurations "
+                            f"interleaved prompt by prompt (their order rotated), every "
+                            f"configuration from an empty KV cache; measured on "
                             f"{describe(where)};")
                 if peer_draft is not None:
                     settings += (f" draft file: {llm.draft_path.name} (ours), "

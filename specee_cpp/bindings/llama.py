@@ -120,7 +120,8 @@ class Model:
         """The text of a single token with special tokens rendered (for chat templates)."""
         return self.token_to_piece(token, special=True).decode("utf-8", errors="replace")
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = False) -> list[int]:
         data = text.encode("utf-8")
         n_max = len(data) + 8
         buf = (ll.llama_token * n_max)()
@@ -331,7 +332,8 @@ class Context:
             raise SpeceeError("layer-input capture cannot change while a staged decode is open")
 
     def layer_inp(self, il: int, n_tokens: int) -> np.ndarray:
-        """Copy of the residual stream entering layer ``il``: (n_tokens, n_embd) of the last decode."""
+        """Copy of the residual stream entering layer ``il``: (n_tokens, n_embd) of the last
+        decode."""
         ptr = _ffi.llama_specee_get_layer_inp(self.ptr, il)
         if not ptr:
             raise SpeceeError(f"layer {il} input was not captured; call set_layer_inp first")

@@ -26,7 +26,8 @@ def parse_types(spec: str) -> list[str]:
     names = [t.strip().upper() for t in spec.split(",") if t.strip()]
     bad = [t for t in names if t not in TYPES]
     if bad or not names:
-        raise SpeceeError(f"unknown quantization type(s) {bad or spec!r}; valid: {', '.join(TYPES)}")
+        raise SpeceeError(f"unknown quantization type(s) {bad or spec!r}; "
+                          f"valid: {', '.join(TYPES)}")
     return names
 
 

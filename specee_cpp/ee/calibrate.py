@@ -310,7 +310,8 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         X, y = np.concatenate(X), np.concatenate(y)
         fire = pred.prob(layer, X) > cfg.threshold
         tp = float((fire & (y > 0)).sum())
-        report_layers[layer] = {"precision": tp / max(fire.sum(), 1), "recall": tp / max(y.sum(), 1),
+        report_layers[layer] = {"precision": tp / max(fire.sum(), 1),
+                                "recall": tp / max(y.sum(), 1),
                                 "positive_rate": float(y.mean()) if len(y) else 0.0}
     sims = np.concatenate([simulate_exits(pred, r, layers, cfg.threshold) for r in val], axis=1)
     exits, correct = sims[0], sims[1].astype(bool)

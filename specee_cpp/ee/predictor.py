@@ -51,7 +51,8 @@ class Predictors:
     @classmethod
     def load(cls, path: Path) -> Predictors:
         meta, arrays = load_npz(path, list(_ARRAYS), "predictor bundle")
-        if meta.get("bundle_version") != BUNDLE_VERSION or meta.get("feature_version") != FEATURE_VERSION:
+        if (meta.get("bundle_version") != BUNDLE_VERSION
+                or meta.get("feature_version") != FEATURE_VERSION):
             raise SpeceeError(f"predictor bundle {path} has version {meta.get('bundle_version')}"
                               f"/features {meta.get('feature_version')}; this build needs "
                               f"{BUNDLE_VERSION}/{FEATURE_VERSION}: recalibrate")
@@ -68,7 +69,8 @@ class Predictors:
                 f"loaded target {Path(path).name} (sha256 {sha256[:12]}, {n_layer} layers)")
 
 
-def stack(layers: list[int], fitted: list[tuple], k: int, threshold: float, meta: dict) -> Predictors:
+def stack(layers: list[int], fitted: list[tuple], k: int, threshold: float,
+          meta: dict) -> Predictors:
     cols = list(zip(*fitted))
     return Predictors(layers=layers, k=k, mu=np.stack(cols[0]), sigma=np.stack(cols[1]),
                       W1=np.stack(cols[2]), b1=np.stack(cols[3]), W2=np.stack(cols[4]),

@@ -89,8 +89,8 @@ class _Reader:
             raise self.truncated()
 
     def truncated(self) -> ModelFileError:
-        return ModelFileError(f"truncated or corrupt GGUF file (header runs past byte {len(self.buf)}): "
-                              f"{self.path}")
+        return ModelFileError(f"truncated or corrupt GGUF file (header runs past byte "
+                              f"{len(self.buf)}): {self.path}")
 
     def bound(self, count: int, min_bytes: int, what: str) -> None:
         """A count that the rest of the file cannot hold is corrupt: say so before looping
@@ -218,7 +218,8 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
     with fh:
         head = fh.read(4)
         if head != _MAGIC:
-            raise ModelFileError(f"not a GGUF file (starts with {head!r}, expected b'GGUF'): {path}")
+            raise ModelFileError(f"not a GGUF file (starts with {head!r}, expected b'GGUF'): "
+                                 f"{path}")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             return _parse(_Reader(mm, path), size)
 
@@ -250,7 +251,8 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         data_rel_end = max(data_rel_end, offset + _tensor_nbytes(ggml_type, dims, r.path))
     align = kv.get("general.alignment", 32)
     if not _is_int(align) or align < 8 or align & (align - 1):
-        raise ModelFileError(f"bad general.alignment {align!r} (need a power of two >= 8): {r.path}")
+        raise ModelFileError(f"bad general.alignment {align!r} (need a power of two >= 8): "
+                             f"{r.path}")
     data_start = (r.pos + align - 1) // align * align
     data_end = data_start + data_rel_end
     if data_end > size:

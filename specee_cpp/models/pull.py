@@ -61,7 +61,9 @@ def _stamp_matches(path: Path, sha256: str) -> bool:
 def verified_at(path: Path) -> str | None:
     """When ``path`` was last hashed against its checksum (local time), if recorded."""
     t = _read_stamp(path).get("verified_at")
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if isinstance(t, (int, float)) else None
+    if not isinstance(t, (int, float)):
+        return None
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
 
 
 def _write_stamp(path: Path, sha256: str) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, TokenType
 
-WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "."]
+WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁hello", "▁world",
+         "."]
 
 
 def tiny_vocab(extra_words: list[str] | None = None, n_vocab: int = 0):
@@ -47,7 +48,8 @@ def copy_tokenizer(src: Path, w: GGUFWriter) -> int:
     if "tokenizer.ggml.pre" in f:
         w.add_tokenizer_pre(bytes(f["tokenizer.ggml.pre"].parts[-1]).decode())
     w.add_token_list(tokens)
-    w.add_token_types([int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data])
+    types = f["tokenizer.ggml.token_type"]
+    w.add_token_types([int(types.parts[i][0]) for i in types.data])
     if "tokenizer.ggml.merges" in f:
         w.add_token_merges(strings("tokenizer.ggml.merges"))
     for key, add in (("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
@@ -108,12 +110,15 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
         dtype = np.float16 if f16 and len(shape) > 1 else np.float32
         w.add_tensor(name, (draws * scale).astype(dtype))
 
+    def norm_weight() -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
+
     t("token_embd.weight", n_vocab, n_embd, scale=1.0)
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     if not tied:
         t("output.weight", n_vocab, n_embd)
     for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
         t(f"blk.{i}.attn_q.weight", n_embd, n_embd)
         t(f"blk.{i}.attn_k.weight", n_embd_kv, n_embd)
         t(f"blk.{i}.attn_v.weight", n_embd_kv, n_embd)
@@ -125,7 +130,7 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
             t(f"blk.{i}.attn_k.bias", n_embd_kv, scale=scale / 3)
             t(f"blk.{i}.attn_v.bias", n_embd_kv, scale=scale / 3)
         t(f"blk.{i}.attn_output.weight", n_embd, n_embd)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm_weight())
         t(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         t(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         t(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
