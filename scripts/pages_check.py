@@ -11,7 +11,7 @@ machine drifts by more than the effect between minutes, not between neighbouring
 
     python scripts/pages_check.py [model] [--per-category 1] [--rounds 2] [--max-tokens 64]
                                   [--limit N] [--long-lived]
-                                  [--write]   # the table into docs/BENCHMARKS.md
+                                  [--write [--tag NAME]]   # the table into BENCHMARKS.md
 
 Settings:
     4k-mapped      SPECEE_CPP_HUGEPAGES=0, the GGUF mapped (llama.cpp's default memory)
@@ -84,6 +84,9 @@ def main() -> int:
     ap.add_argument("--long-lived", action="store_true",
                     help="also our loop in this process, the model loaded once")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    ap.add_argument("--tag", default="",
+                    help="a name for this machine: its own BENCHMARKS.md section, so that "
+                         "another machine's table is not replaced")
     ns = ap.parse_args()
 
     from specee_cpp.bench import prompts
@@ -153,7 +156,8 @@ def main() -> int:
         from _report import write_section
 
         cmd = " ".join(["python scripts/pages_check.py", *sys.argv[1:]])
-        write_section("Weights on huge pages: plain decoding against llama.cpp's loop",
+        write_section("Weights on huge pages: plain decoding against llama.cpp's loop"
+                      + (f" ({ns.tag})" if ns.tag else ""),
                       f"`{cmd}`\n\n{table}\n")
     return 0
 
