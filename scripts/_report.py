@@ -6,6 +6,16 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 
+TAG_HELP = ("a name for this machine: its table goes into its own BENCHMARKS.md section, so "
+            "that another machine's is not replaced")
+
+
+def tagged(name: str, tag: str) -> str:
+    """A section heading (or file stem) named for one machine where ``tag`` is given: the
+    scripts' sections hold one machine's table each, and an untagged run replaces it."""
+    return f"{name} ({tag})" if tag else name
+
+
 def write_section(heading: str, body: str, path: Path = BENCHMARKS) -> None:
     """Write ``## heading`` + body into docs/BENCHMARKS.md, replacing that section."""
     from specee_cpp.bench.report import write_section as write

@@ -29,7 +29,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from _report import write_section
+from _report import TAG_HELP, tagged, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n" * 4
@@ -150,6 +150,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plain-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true", help="print only, do not touch docs/")
+    ap.add_argument("--tag", default="", help=TAG_HELP)
     ns = ap.parse_args()
 
     from specee_cpp.models.registry import resolve_model
@@ -206,15 +207,16 @@ def main() -> int:
 
 def write_report(cmd: str, table: str, times: dict, m, ns) -> None:
     docs = REPO / "docs"
-    (docs / "bench_staged.json").write_text(json.dumps(
+    raw = f"bench_staged{'-' + ns.tag if ns.tag else ''}.json"
+    (docs / raw).write_text(json.dumps(
         {"command": cmd, "model": str(m.path), "n_layer": m.n_layer, "threads": ns.threads,
          "tokens": ns.tokens, "rounds": ns.rounds, "seconds_per_token": times}, indent=1))
-    write_section("Staged decode (patch 0002): probes and early exit",
+    write_section(tagged("Staged decode (patch 0002): probes and early exit", ns.tag),
                   f"`{cmd}` on {m.path.name} ({m.n_layer} layers), {ns.threads} threads, "
                   f"{ns.tokens} single-token decodes per configuration and round, median of "
                   f"{ns.rounds} interleaved rounds; `plain` and the staged rows run in one process "
                   f"on the patched build, `patched` and `stock` in separate processes with the "
-                  f"same code. Raw numbers: `docs/bench_staged.json`.\n\n{table}\n")
+                  f"same code. Raw numbers: `docs/{raw}`.\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> None:
+    from _report import TAG_HELP, tagged, write_section   # scripts/, this script's folder
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="default: the registry's default pair")
     ap.add_argument("--draft")
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--write", action="store_true", help="write the table to docs/BENCHMARKS.md")
+    ap.add_argument("--tag", default="", help=TAG_HELP)
     args = ap.parse_args()
     if not 1 <= args.clients <= 32 or not 1 <= args.seconds <= 600:
         sys.exit("error: --clients must be 1..32 and --seconds 1..600 (a local, bounded test)")
@@ -133,8 +136,6 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     if args.write:
-        from _report import write_section
-
         cmd = "python scripts/load_test.py " + " ".join(sys.argv[1:])
         s = summary
         body = (f"Command: `{cmd}`\n\n"
@@ -156,7 +157,8 @@ def main() -> None:
                 f"request at a time it grows with the number of clients (about clients x one "
                 f"request's time); tokens/s is generated tokens over the wall time, which also pays "
                 f"for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
-        write_section("Server under load (`specee-cpp serve`, concurrent clients)", body)
+        write_section(tagged("Server under load (`specee-cpp serve`, concurrent clients)",
+                             args.tag), body)
     if lost:
         sys.exit(f"error: {lost} requests lost")
 

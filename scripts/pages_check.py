@@ -84,9 +84,10 @@ def main() -> int:
     ap.add_argument("--long-lived", action="store_true",
                     help="also our loop in this process, the model loaded once")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
-    ap.add_argument("--tag", default="",
-                    help="a name for this machine: its own BENCHMARKS.md section, so that "
-                         "another machine's table is not replaced")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import TAG_HELP, tagged, write_section
+
+    ap.add_argument("--tag", default="", help=TAG_HELP)
     ns = ap.parse_args()
 
     from specee_cpp.bench import prompts
@@ -152,12 +153,9 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if ns.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from _report import write_section
-
         cmd = " ".join(["python scripts/pages_check.py", *sys.argv[1:]])
-        write_section("Weights on huge pages: plain decoding against llama.cpp's loop"
-                      + (f" ({ns.tag})" if ns.tag else ""),
+        write_section(tagged("Weights on huge pages: plain decoding against llama.cpp's loop",
+                             ns.tag),
                       f"`{cmd}`\n\n{table}\n")
     return 0
 

@@ -138,6 +138,10 @@ def main() -> int:
                     help="batch sizes, comma-separated (the cost table stops at 16; larger "
                          "ones show what longer drafts would cost)")
     ap.add_argument("--no-write", action="store_true")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from _report import TAG_HELP, tagged, write_section
+
+    ap.add_argument("--tag", default="", help=TAG_HELP)
     ns = ap.parse_args()
 
     from specee_cpp.config import LoadConfig
@@ -159,12 +163,9 @@ def main() -> int:
     text = "\n".join(lines).rstrip() + "\n"
     print(text)
     if not ns.no_write:
-        out = REPO / "docs" / "bench" / "verify-cost-probe.json"
+        out = REPO / "docs" / "bench" / f"verify-cost-probe{'-' + ns.tag if ns.tag else ''}.json"
         out.write_text(json.dumps(report, indent=1) + "\n")
-        sys.path.insert(0, str(REPO / "scripts"))
-        from _report import write_section
-
-        write_section("Verification cost: the LM head against the body", text)
+        write_section(tagged("Verification cost: the LM head against the body", ns.tag), text)
     return 0
 
 
