@@ -11,9 +11,14 @@ TAG_HELP = ("a name for this machine: its table goes into its own BENCHMARKS.md 
 
 
 def tagged(name: str, tag: str) -> str:
-    """A section heading (or file stem) named for one machine where ``tag`` is given: the
-    scripts' sections hold one machine's table each, and an untagged run replaces it."""
+    """A section heading named for one machine where ``tag`` is given: the scripts'
+    sections hold one machine's table each, and an untagged run replaces it."""
     return f"{name} ({tag})" if tag else name
+
+
+def tagged_file(stem: str, tag: str, suffix: str = ".json") -> str:
+    """A raw-output file name kept apart per machine the same way: ``stem-tag.json``."""
+    return f"{stem}-{tag}{suffix}" if tag else f"{stem}{suffix}"
 
 
 def write_section(heading: str, body: str, path: Path = BENCHMARKS) -> None:

@@ -29,7 +29,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from _report import TAG_HELP, tagged, write_section
+from _report import TAG_HELP, tagged, tagged_file, write_section
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n" * 4
@@ -207,7 +207,7 @@ def main() -> int:
 
 def write_report(cmd: str, table: str, times: dict, m, ns) -> None:
     docs = REPO / "docs"
-    raw = f"bench_staged{'-' + ns.tag if ns.tag else ''}.json"
+    raw = tagged_file("bench_staged", ns.tag)
     (docs / raw).write_text(json.dumps(
         {"command": cmd, "model": str(m.path), "n_layer": m.n_layer, "threads": ns.threads,
          "tokens": ns.tokens, "rounds": ns.rounds, "seconds_per_token": times}, indent=1))

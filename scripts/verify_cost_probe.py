@@ -139,7 +139,7 @@ def main() -> int:
                          "ones show what longer drafts would cost)")
     ap.add_argument("--no-write", action="store_true")
     sys.path.insert(0, str(REPO / "scripts"))
-    from _report import TAG_HELP, tagged, write_section
+    from _report import TAG_HELP, tagged, tagged_file, write_section
 
     ap.add_argument("--tag", default="", help=TAG_HELP)
     ns = ap.parse_args()
@@ -163,7 +163,7 @@ def main() -> int:
     text = "\n".join(lines).rstrip() + "\n"
     print(text)
     if not ns.no_write:
-        out = REPO / "docs" / "bench" / f"verify-cost-probe{'-' + ns.tag if ns.tag else ''}.json"
+        out = REPO / "docs" / "bench" / tagged_file("verify-cost-probe", ns.tag)
         out.write_text(json.dumps(report, indent=1) + "\n")
         write_section(tagged("Verification cost: the LM head against the body", ns.tag), text)
     return 0
