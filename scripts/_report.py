@@ -21,9 +21,13 @@ def tagged_file(stem: str, tag: str, suffix: str = ".json") -> str:
     return f"{stem}-{tag}{suffix}" if tag else f"{stem}{suffix}"
 
 
-def write_section(heading: str, body: str, path: Path = BENCHMARKS) -> None:
-    """Write ``## heading`` + body into docs/BENCHMARKS.md, replacing that section."""
+def write_section(heading: str, body: str, path: Path = BENCHMARKS) -> str:
+    """Write ``## heading`` + body into docs/BENCHMARKS.md, replacing that section where it
+    was measured on this machine (else beside it, under a tagged heading: said on stdout)."""
     from specee_cpp.bench.report import write_section as write
 
-    write(path, heading, body)
+    written = write(path, heading, body)
+    if written != heading:
+        print(f"{path.name}: '{heading}' holds another machine's table; wrote '{written}'")
+    return written
 

@@ -12,7 +12,7 @@ which it takes from 8 rows; `GGML_REPACK_FUSED_ROWS=0` (patch 0011, x86 without 
 upstream's 4-row gemm and one-row gemv for repacked Q4_K, `GGML_Q6_K_FUSED_ROWS=0` (patch 0012)
 its dot per row pair (and tiled matmul from 8 rows) for Q6_K.
 
-    python scripts/verify_curve.py [model] [--sizes 1-64] [--repeats 5] [--context 128]
+    python scripts/verify_curve.py [model] [--sizes 1-64 | 8,12,16-20] [--repeats 5] [--context 128]
 """
 from __future__ import annotations
 
@@ -23,8 +23,12 @@ import time
 
 
 def sizes(spec: str) -> list[int]:
-    lo, _, hi = spec.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
+    """'1-16', '8,12,16-20,32' -> the batch sizes, in order."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 def main() -> int:

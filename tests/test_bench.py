@@ -195,6 +195,26 @@ def test_summary_tables_json_png(tmp_path):
     assert "three" in text and "one" not in text and text.index("Quick") < text.index("Other")
 
 
+def test_a_section_measured_on_another_machine_is_kept(tmp_path):
+    epyc = "x; measured on AMD EPYC (SSE3 AVX AVX2 FMA REPACK), 2 threads, build a, AMX absent;"
+    xeon = ("Machine: Intel(R) Xeon(R) Processor (AVX2 AVX512 AMX_INT8 REPACK), 2 threads, "
+            "build b")
+    md, tagged = tmp_path / "B.md", "Pages (Intel Xeon Processor, AMX)"
+    assert report.write_section(md, "Pages", f"epyc one {epyc}") == "Pages"
+    # the same machine with another build replaces its own section
+    assert report.write_section(md, "Pages", "epyc two " + epyc.replace("build a", "build c")
+                                ) == "Pages"
+    assert "epyc one" not in md.read_text()
+    # another machine's run goes beside it under a tagged heading, then replaces that one
+    assert report.write_section(md, "Pages", f"xeon one {xeon}") == tagged
+    assert report.write_section(md, "Pages", f"xeon two {xeon}") == tagged
+    text = md.read_text()
+    assert "epyc two" in text and "xeon two" in text and "xeon one" not in text
+    assert text.count("## Pages") == 2
+    # a body that names no machine replaces as before
+    assert report.write_section(md, "Pages", "no machine") == "Pages"
+    assert "epyc two" not in md.read_text() and "xeon two" in md.read_text()
+
 def test_repeated_measurements_pool_and_pair_with_plain_of_the_same_repeat():
     sel = configs.select("lcpp-lookup")
     recs = [replace(_rec("a", "qa", "plain", "t", 10, 1.0), repeat=0),

@@ -18,6 +18,7 @@ The columns, each defined once (the fields are record.Record's):
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -302,16 +303,54 @@ def write_png(path: Path, summary: dict, title: str = "") -> None:
     tmp.replace(path)
 
 
-def write_section(path: Path, heading: str, body: str) -> None:
-    """Write ``## heading`` + body into a markdown file, replacing a section of that heading."""
-    section = f"## {heading}\n\n{body.strip()}\n"
+# "measured on AMD EPYC (SSE3 ... REPACK), 2 threads": the CPU part of provenance.describe()
+# that every measured section carries, after the words the benches and scripts put before it;
+# the build is left out so that a rerun on the same machine replaces its own section
+_MACHINE = re.compile(r"(?:[Mm]easured on |Machine: |` \()([^;`\n]+?) "
+                      r"\(([A-Z0-9_ ]+)\), \d+ threads")
+
+
+def section_machine(text: str) -> str | None:
+    """The 'CPU (features)' a section was measured on, or None where it names none."""
+    m = _MACHINE.search(text)
+    return f"{m.group(1).strip()} ({m.group(2)})" if m else None
+
+
+def machine_tag(machine: str) -> str:
+    """A short readable name for a machine: its CPU and widest vector unit ('AMD EPYC, AVX2')."""
+    cpu, _, feats = machine.partition(" (")
+    names = feats.rstrip(")").split()
+    isa = next((label for flag, label in (("AMX_INT8", "AMX"), ("AVX512", "AVX-512"),
+                                          ("AVX2", "AVX2"), ("NEON", "NEON"))
+                if flag in names), "")
+    cpu = cpu.replace("(R)", "").replace("(TM)", "").strip()
+    return ", ".join(p for p in (cpu, isa) if p)
+
+
+def write_section(path: Path, heading: str, body: str) -> str:
+    """Write ``## heading`` + body into a markdown file, replacing a section of that heading.
+
+    A section measured on another machine is not replaced: the new one goes under the
+    heading with that machine's tag appended ('... (AMD EPYC, AVX2)'), because a fixed-heading
+    script rerun elsewhere once wiped a table that no later run could reproduce. Returns the
+    heading written."""
     text = path.read_text() if path.exists() else (
         "# Benchmarks\n\nEvery table states the command that produced it; speeds are ratios "
         "taken in the same run.\n")
-    start = text.find(f"## {heading}\n")
+    here = section_machine(body)
+    # the full machine string names a heading no other machine can claim: the last resort
+    names = [heading] + ([f"{heading} ({machine_tag(here)})", f"{heading} ({here})"]
+                         if here else [])
+    for heading in names:
+        start = text.find(f"## {heading}\n")
+        end = text.find("\n## ", start + 1) if start >= 0 else -1
+        there = section_machine(text[start:end if end >= 0 else None]) if start >= 0 else None
+        if there is None or here is None or there == here:
+            break
+    section = f"## {heading}\n\n{body.strip()}\n"
     if start >= 0:
-        end = text.find("\n## ", start + 1)
         text = text[:start] + section + (text[end:] if end >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+    return heading
