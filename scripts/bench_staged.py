@@ -91,7 +91,8 @@ def lib_dir_of_wheel(wheel: Path, dest: Path) -> Path:
 
 
 def build(stock: bool) -> Path:
-    cmd = [sys.executable, str(REPO / "scripts" / "build_wheel.py")] + (["--stock"] if stock else [])
+    cmd = ([sys.executable, str(REPO / "scripts" / "build_wheel.py")]
+           + (["--stock"] if stock else []))
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 

@@ -104,8 +104,10 @@ def variants(src: Source, n: int, seed: int):
         return _enc_kv(key, STR, _enc_str(v))
 
     for v in (0, 1000, 2**32 - 1):
-        fixed.append((f"block_count={v}", src.rebuild({f"{arch}.block_count": u32(f"{arch}.block_count", v)})))
-    fixed.append(("block_count=str", src.rebuild({f"{arch}.block_count": s(f"{arch}.block_count", "thirty")})))
+        fixed.append((f"block_count={v}",
+                      src.rebuild({f"{arch}.block_count": u32(f"{arch}.block_count", v)})))
+    fixed.append(("block_count=str",
+                  src.rebuild({f"{arch}.block_count": s(f"{arch}.block_count", "thirty")})))
     for v in (math.nan, -1.0, math.inf, 0.0):
         key = f"{arch}.attention.layer_norm_rms_epsilon"
         fixed.append((f"eps={v}", src.rebuild({key: f32(key, v)})))
@@ -116,7 +118,8 @@ def variants(src: Source, n: int, seed: int):
         fixed.append((f"alignment={v}", src.rebuild({}, [u32("general.alignment", v)])))
     fixed.append(("alignment=str", src.rebuild({}, [s("general.alignment", "32")])))
     for v in ("bert", "t5", "nonsense"):
-        fixed.append((f"tokenizer={v}", src.rebuild({"tokenizer.ggml.model": s("tokenizer.ggml.model", v)})))
+        fixed.append((f"tokenizer={v}",
+                      src.rebuild({"tokenizer.ggml.model": s("tokenizer.ggml.model", v)})))
     for key in ("embedding_length", "attention.head_count", "context_length"):
         k = f"{arch}.{key}"
         fixed.append((f"{key}=0", src.rebuild({k: u32(k, 0)})))
@@ -126,7 +129,8 @@ def variants(src: Source, n: int, seed: int):
     fixed.append(("nested-arrays-3000", src.rebuild({}, [_enc_kv("x.nested", ARR, nested[4:])])))
     huge = _enc_kv("x.huge", ARR, struct.pack("<IQ", U32, 2**63))
     fixed.append(("array-count-2^63", src.rebuild({}, [huge])))
-    fixed.append(("chat-template-syntax", src.rebuild({"tokenizer.chat_template": s("tokenizer.chat_template", "{% if %}{{ x")})))
+    bad_template = s("tokenizer.chat_template", "{% if %}{{ x")
+    fixed.append(("chat-template-syntax", src.rebuild({"tokenizer.chat_template": bad_template})))
     fixed.append(("no-architecture", src.rebuild({"general.architecture": None})))
     fixed.append(("n_kv=2^63", raw[:16] + struct.pack("<Q", 2**63) + raw[24:]))
     fixed.append(("n_tensors=2^40", raw[:8] + struct.pack("<Q", 2**40) + raw[16:]))

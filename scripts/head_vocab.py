@@ -128,7 +128,8 @@ def main() -> int:
         rec = json.loads(line) if line.strip() else None
         if rec and rec["turns"][0] in firsts:
             ref = rec.get("reference") or []
-            dev_text += list(rec["turns"]) + [str(r) for r in (ref if isinstance(ref, list) else [ref])]
+            refs = ref if isinstance(ref, list) else [ref]
+            dev_text += list(rec["turns"]) + [str(r) for r in refs]
     problems = read_problems()
     he_text = [problems[f"HumanEval/{i}"]["prompt"] + problems[f"HumanEval/{i}"]
                ["canonical_solution"] for i in range(82)]

@@ -129,8 +129,10 @@ def main() -> None:
         "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,
         "wall_s": round(wall, 1), "requests_per_s": round(len(ok) / wall, 3),
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
-        "latency_p50_s": round(percentile(lat, 0.5), 2), "latency_p95_s": round(percentile(lat, 0.95), 2),
-        "ttft_p50_s": round(percentile(ttft, 0.5), 2), "ttft_p95_s": round(percentile(ttft, 0.95), 2),
+        "latency_p50_s": round(percentile(lat, 0.5), 2),
+        "latency_p95_s": round(percentile(lat, 0.95), 2),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 2),
+        "ttft_p95_s": round(percentile(ttft, 0.95), 2),
         "mean_tokens": round(statistics.mean([r["tokens"] for r in ok]), 1) if ok else 0,
         "server": health, "machine": describe(machine(default_threads())),
     }
@@ -155,8 +157,8 @@ def main() -> None:
                 f"{health['failed']}, cancelled {health['cancelled']}, refused "
                 f"{health['refused']}. Latency includes the wait in the queue: with one "
                 f"request at a time it grows with the number of clients (about clients x one "
-                f"request's time); tokens/s is generated tokens over the wall time, which also pays "
-                f"for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
+                f"request's time); tokens/s is generated tokens over the wall time, which also "
+                f"pays for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
         write_section(tagged("Server under load (`specee-cpp serve`, concurrent clients)",
                              args.tag), body)
     if lost:

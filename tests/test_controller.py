@@ -299,7 +299,8 @@ def test_a_long_prompt_under_a_short_limit_is_not_read_up_front():
     """The draft reads the prompt up front only where the rounds the round model predicts
     can win the read back within the caller's limit (seen: ~290-token RAG prompts read for
     64-token answers cost ~1 s each and spec-auto ran 0.97x plain end to end on the Ice Lake
-    Xeon). The first read goes ahead whatever it costs and teaches the guard its price."""
+    Xeon). The first read goes ahead whatever it costs and teaches the guard its price,
+    where some round is predicted to beat plain at all."""
     pol = policies.CostAwareGamma(LastRate(), XEON, 4.85)   # prior: 80% accepted
     assert pol.reads_prompt(289, 62)                       # no price seen yet
     pol.prompt_read(XEON.draft_token_s * (1 + 0.2 * 288), 288)
@@ -310,6 +311,13 @@ def test_a_long_prompt_under_a_short_limit_is_not_read_up_front():
     assert pol.reads_prompt(289, None)
     pol.guard.wait = 16                     # held at plain decoding: nothing to read for
     assert not pol.reads_prompt(101, 62)
+    # a table where no round the prior predicts beats plain: no first read to learn from
+    # (the 2-core EPYC with AVX2 only: draft 0.52, verify 2/4/8 = 1.67/2.13/3.51)
+    epyc = CostModel([0.057 * x for x in (1.0, 1.67, 1.9, 2.13, 2.48, 2.82, 3.17, 3.51)],
+                     0.52 * 0.057)
+    assert epyc.drafting_can_pay(7)                # with every token accepted it would
+    steep = policies.CostAwareGamma(LastRate(), epyc, 4.85)
+    assert not steep.reads_prompt(289, 1022) and steep.reads_prompt(289, None)
     # the rules that ignore costs read every prompt
     assert policies.FixedGamma(4).reads_prompt(289, 62)
     assert not policies.FixedGamma(0).reads_prompt(289, 62)

@@ -455,10 +455,15 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         prompt under a short limit (RAG and summarization prompts of ~290 tokens for 64-token
         answers on the Ice Lake Xeon, where the draft read ~1 s of prompt for a handful of
         model rounds: spec-auto at 0.97x plain end to end in RAG). The first read (no
-        catch-up seen yet) goes ahead: it teaches the guard the price."""
+        catch-up seen yet) goes ahead where some drafted round is predicted to beat plain: it
+        teaches the guard the price. Where none is (the 2-core EPYC with AVX2 only, whose
+        table pays a model draft from acceptance 0.98), there is nothing to learn it for:
+        there each process's first read cost ~2-3 s of a 287-token prompt's 5-7 s prefill."""
         if not super().reads_prompt(behind, room):
             return False
-        if room is None or self.guard.catch_up_rel is None:
+        if self.guard.catch_up_rel is None:
+            return room is None or float(self._tps().max()) > self.plain_tps
+        if room is None:
             return True
         self.behind, self.room = behind, room
         return self._catch_up_pays(float(self._tps().max()), horizon=room, start=True)
