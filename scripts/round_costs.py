@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b:auto")
     ap.add_argument("--ids", default="161,174,187,2,28,122,54,67",
                     help="line numbers of the dev prompt file (spec_bench_dev:N)")
+    ap.add_argument("--prompts", default="",
+                    help="a bench prompt source instead of --ids, e.g. humaneval:19-20")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--with-plain", action="store_true",
@@ -41,24 +43,25 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ns = ap.parse_args()
 
-    from specee_cpp.bench.prompts import DEV_PROMPTS, load_spec_bench
+    from specee_cpp.bench.prompts import DEV_PROMPTS, load as load_prompts, load_spec_bench
     from specee_cpp.bench.suite import shorten
     from specee_cpp.engine.llm import load
     from specee_cpp.spec.mode import SpecOptions, cost_model, draft_policy
 
     with load(ns.target, draft=ns.draft) as llm:
         by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
+        chosen = (load_prompts(ns.prompts) if ns.prompts else
+                  [by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"] for i in ns.ids.split(",")])
         plain, rounds, table = [], defaultdict(list), None
         total = defaultdict(lambda: [0.0, 0])   # mode -> seconds, tokens over all prompts
         for _ in range(ns.repeats):
-            for i in ns.ids.split(","):
-                p = shorten(by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"], llm.model,
-                            ns.max_prompt_tokens)
+            for p in chosen:
+                p = shorten(p, llm.model, ns.max_prompt_tokens)
                 speeds = {}
                 for mode in ("plain", "spec") if ns.with_plain else ("spec",):
                     llm.reset()
                     t0, n = time.perf_counter(), 0
-                    for s in llm.stream(p.text, max_tokens=ns.max_tokens, mode=mode,
+                    for s in llm.stream(p.text, max_tokens=ns.max_tokens, mode=mode, chat=p.chat,
                                         **({"gamma": "auto"} if mode == "spec" else {})):
                         if "prefill" in s.timings:   # the clock runs from the first token
                             t0, n = time.perf_counter(), 0
@@ -84,6 +87,9 @@ def main() -> int:
                     print(f"{p.id} ({p.category}): plain {speeds['plain'] * 1e3:.1f} ms a "
                           f"token, spec {speeds['spec'] * 1e3:.1f} "
                           f"({speeds['plain'] / speeds['spec']:.3f}x)", flush=True)
+        # the pair's correction as the spec runs kept it (draft_policy returns the cached
+        # one); read while the pair is open
+        corr = draft_policy(llm, SpecOptions(gamma="auto")).correction
     if not plain or table is None:
         print("no plain steps to compare with", file=sys.stderr)
         return 1
@@ -91,8 +97,6 @@ def main() -> int:
         (ps, pn), (ss, sn) = total["plain"], total["spec"]
         print(f"all prompts: plain {ps / pn * 1e3:.1f} ms a token, spec {ss / sn * 1e3:.1f} "
               f"({(ps / pn) / (ss / sn):.3f}x)")
-    # the pair's correction as the spec runs kept it (draft_policy returns the cached one)
-    corr = draft_policy(llm, SpecOptions(gamma="auto")).correction
     if corr is not None and corr.rounds:
         print(f"the round model's correction after these prompts: x{corr.factor:.3f} "
               f"(accepted {corr.observed:.1f} / predicted {corr.predicted:.1f}, decayed)")

@@ -19,6 +19,24 @@ def _ctx(path, n_ctx=128):
     return model, Context(model, n_ctx=n_ctx, n_batch=64, n_threads=1)
 
 
+def test_a_closed_model_or_context_raises_instead_of_crashing(tiny_llama):
+    """Used after close (a script calling the pair after its ``with`` block), the freed
+    pointers reached llama.cpp: round_costs.py segfaulted in bits_per_weight."""
+    model, ctx = _ctx(tiny_llama)
+    toks = model.tokenize("the cat", add_special=True)
+    Sequence(ctx).decode(toks)
+    ctx.close()
+    with pytest.raises(SpeceeError, match="a context on model .* is closed"):
+        Sequence(ctx).decode(toks)
+    ctx.close()                                   # twice: nothing
+    model.close()
+    for use in (lambda: model.bits_per_weight, lambda: model.tokenize("the cat"),
+                lambda: model.is_eog(0), lambda: model.chat_template):
+        with pytest.raises(SpeceeError, match=f"model {tiny_llama.name} is closed"):
+            use()
+    model.close()
+
+
 def test_unknown_architecture_is_one_clear_error(tiny_unknown_arch):
     with pytest.raises(UnsupportedArchitectureError, match="notanarch"):
         Model(tiny_unknown_arch)

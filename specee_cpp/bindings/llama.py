@@ -61,12 +61,37 @@ def library_info() -> dict:
     }
 
 
+class _Handle:
+    """A native pointer held by a Model or Context. Once its owner is closed it raises
+    instead of handing llama.cpp a NULL or freed pointer: a call through a closed model
+    (a script that used the pair after its ``with`` block) was a segfault, not an error."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        value = obj.__dict__.get(self.slot)
+        if value is None:
+            raise SpeceeError(f"{obj.what} is closed (its {self.name} is freed); use it "
+                              f"inside its `with` block or before close()")
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
 class Model:
     """A loaded GGUF model (weights + vocabulary)."""
+
+    ptr = _Handle()
+    vocab = _Handle()
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True,
                  use_mmap: bool = True):
         self.path = Path(path)
+        self.what = f"model {self.path.name}"
         self.info: GGUFInfo = read_gguf_info(self.path)  # clear error before llama.cpp sees it
         if not _ffi.llama_specee_arch_supported(self.info.arch.encode()):
             raise UnsupportedArchitectureError(
@@ -97,9 +122,9 @@ class Model:
         self._piece_buf = ctypes.create_string_buffer(256)
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
-            ll.llama_model_free(self.ptr)
-            self.ptr = None
+        if self.__dict__.get("_ptr"):
+            ll.llama_model_free(self._ptr)
+        self._ptr = self._vocab = None
 
     __del__ = close
 
@@ -235,9 +260,13 @@ class Context:
     can compare against a float64 numpy reference tightly; it is slower and not for use.
     """
 
+    ptr = _Handle()
+    mem = _Handle()
+
     def __init__(self, model: Model, n_ctx: int, n_batch: int, n_threads: int,
                  exact: bool = False, n_seq_max: int = 1, kv_unified: bool | None = None,
                  flash_attn: bool | None = None):
+        self.what = f"a context on {model.what}"
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_seq_max = n_seq_max
@@ -270,9 +299,9 @@ class Context:
         self._top1, self._entropy = ctypes.c_float(), ctypes.c_float()   # confidence()'s
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
-            ll.llama_free(self.ptr)
-            self.ptr = None
+        if self.__dict__.get("_ptr"):
+            ll.llama_free(self._ptr)
+        self._ptr = self._mem = None
 
     __del__ = close
 
