@@ -123,8 +123,7 @@ def fetch_sdist(dest: Path) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / name
         if not got.exists():
-            raise BuildError("could not download the llama-cpp-python sdist:\n"
-                             f"{r.stdout}{r.stderr}")
+            raise BuildError(f"could not download the llama-cpp-python sdist:\n{r.stdout}{r.stderr}")
         os.replace(got, path)  # atomic: no half-written sdist under the final name
     return path
 
