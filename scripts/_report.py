@@ -6,13 +6,14 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
 
-TAG_HELP = ("a name for this machine: its table goes into its own BENCHMARKS.md section, so "
-            "that another machine's is not replaced")
+TAG_HELP = ("a name for this machine: its table goes into a BENCHMARKS.md section of that "
+            "name (and its raw JSON into a file of that name)")
 
 
 def tagged(name: str, tag: str) -> str:
-    """A section heading named for one machine where ``tag`` is given: the scripts'
-    sections hold one machine's table each, and an untagged run replaces it."""
+    """A section heading named for one machine where ``tag`` is given. Untagged, a run on
+    another machine than the section's still does not replace it (write_section puts it
+    beside, under a heading of the CPU's name); the tag chooses the name."""
     return f"{name} ({tag})" if tag else name
 
 

@@ -49,9 +49,11 @@ def main() -> int:
     from specee_cpp.spec.mode import SpecOptions, cost_model, draft_policy
 
     with load(ns.target, draft=ns.draft) as llm:
-        by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
-        chosen = (load_prompts(ns.prompts) if ns.prompts else
-                  [by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"] for i in ns.ids.split(",")])
+        if ns.prompts:
+            chosen = load_prompts(ns.prompts)
+        else:
+            by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
+            chosen = [by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"] for i in ns.ids.split(",")]
         plain, rounds, table = [], defaultdict(list), None
         total = defaultdict(lambda: [0.0, 0])   # mode -> seconds, tokens over all prompts
         for _ in range(ns.repeats):

@@ -215,6 +215,7 @@ def test_a_section_measured_on_another_machine_is_kept(tmp_path):
     assert report.write_section(md, "Pages", "no machine") == "Pages"
     assert "epyc two" not in md.read_text() and "xeon two" in md.read_text()
 
+
 def test_repeated_measurements_pool_and_pair_with_plain_of_the_same_repeat():
     sel = configs.select("lcpp-lookup")
     recs = [replace(_rec("a", "qa", "plain", "t", 10, 1.0), repeat=0),
