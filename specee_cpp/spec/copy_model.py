@@ -25,12 +25,13 @@ Fitted on dev prompts only (scripts/fit_copy_model.py); one model per target, sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import SpeceeError
-from ..mlp import forward, load_npz, save_npz, train_mlp
+from ..mlp import forward_mean, load_npz, save_npz, stack, train_mlp
 from ..paths import BUNDLE_DIR
 from .decode import accept_greedy, draft_room
 from .suffix import ContextSource, best_prefix
@@ -60,11 +61,15 @@ class CopyModel:
     meta: dict = field(default_factory=dict)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        p = np.mean([forward(net, X) for net in self.nets], axis=0)
+        p = forward_mean(self._stacked, X)
         scale = self.first_scale
         if scale != 1.0:
             p = np.where(first_guess(X), p * scale, p)
         return p
+
+    @cached_property
+    def _stacked(self) -> tuple:
+        return stack(list(self.nets))
 
     @property
     def first_scale(self) -> float:
@@ -173,6 +178,7 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
             src.update(len(d), a)
         else:
             seconds += c.plain
+            src.plain_step(c.plain)   # as generate_spec tells it (the correction fades)
         emitted = output[t:t + a + 1]
         plain += c.plain * len(emitted)
         src.extend(emitted, emitted=True)

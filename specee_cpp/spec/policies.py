@@ -246,6 +246,16 @@ class _RoundModelPolicy(DraftPolicy):
         self.model, self.bpw = model, bpw
         self.gammas = np.array(list(gammas))
         self.feats = list(model.prior[:5]) + [bpw]
+        self._rates_of: list | None = None   # the feats ``_rates`` last ran the net on
+
+    def _rates(self) -> np.ndarray:
+        """The round model's rates for every candidate gamma from the current features: the
+        net runs again only after a drafted round changed them (every plain step asks, and
+        the forward was a third of the control time of a generation that never drafts)."""
+        if self._rates_of is not self.feats:
+            self._rates_cached = self.model.rates(self.feats, self.gammas)
+            self._rates_of = self.feats
+        return self._rates_cached
 
     def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
                catch_up=0.0) -> None:
@@ -267,7 +277,7 @@ class SpecKVObjective(_RoundModelPolicy):
     name = "speckv"
 
     def plan(self) -> int:
-        rates = self.model.rates(self.feats, self.gammas)
+        rates = self._rates()
         return int(self.gammas[np.argmax(rates * self.gammas + 1)])
 
 
@@ -373,7 +383,7 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         self.plain_tps = 1.0 / costs.plain
 
     def _tps(self) -> np.ndarray:
-        rates = self.model.rates(self.feats, self.gammas)
+        rates = self._rates()
         if self.correction is not None:
             rates = self.correction.apply(rates)
         return (1.0 + rates * self.gammas) / self.time

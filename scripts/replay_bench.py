@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Replay the context drafter over a bench run's plain outputs: per category, the speed-up
+over plain decoding this machine's cost table predicts for the free drafts, with drafted
+and accepted counts (spec/copy_model.simulate: exact rounds, time from the costs).
+
+A bench's `plain` rows are the target's greedy answers; re-tokenized with their prompts
+(Spec-Bench prompts cut to --max-prompt-tokens as bench cuts them, others from --prompts)
+they replay what `--mode spec` would draft from the context on them, for no decoding at
+all: a change to the drafter is read here first, on the very answers whose timed run it
+is meant to change, then confirmed by `specee-cpp bench`. `--copy-prior` compares the
+per-answer correction of the copy model (`ContextSource.COPY_PRIOR`; `off`: none).
+
+    python scripts/replay_bench.py docs/bench/humaneval-0-23-epyc-avx2-s31.jsonl \\
+        --prompts humaneval:0-23 --max-tokens 128 --copy-prior off,6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jsonl", nargs="+", help="bench rows (docs/bench/NAME.jsonl)")
+    ap.add_argument("--prompts", default="", help="their prompt source where not Spec-Bench "
+                                                  "dev (e.g. humaneval:0-23)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="the run's limit")
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--copy-prior", default="",
+                    help="comma-separated priors of the per-answer copy correction to "
+                         "compare ('off': none); default: the shipped one")
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b:auto", help="keys the cost table")
+    ns = ap.parse_args()
+
+    from specee_cpp.bench.prompts import DEV_PROMPTS, load as load_prompts, load_spec_bench
+    from specee_cpp.bench.suite import shorten
+    from specee_cpp.engine.llm import load
+    from specee_cpp.spec.copy_model import simulate
+    from specee_cpp.spec.mode import copy_model, cost_model
+    from specee_cpp.spec.suffix import ContextSource
+
+    rows = [json.loads(line) for f in ns.jsonl for line in open(f, encoding="utf-8")]
+    rows = [r for r in rows if r.get("config") == "plain" and r.get("text") is not None]
+    shipped = ContextSource.COPY_PRIOR
+    priors = [p.strip() for p in ns.copy_prior.split(",") if p.strip()] or [str(shipped)]
+    with load(ns.target, draft=ns.draft) as llm:
+        table, model, eog = cost_model(llm), copy_model(llm), llm.model.is_eog
+        prompts = {p.id: shorten(p, llm.model, ns.max_prompt_tokens)
+                   for p in load_spec_bench(DEV_PROMPTS)}
+        if ns.prompts:
+            prompts.update({p.id: p for p in load_prompts(ns.prompts)})
+        streams = []
+        for r in rows:
+            p = prompts.get(r["prompt_id"])
+            if p is None:
+                print(f"{r['prompt_id']}: not in the prompt sources; pass --prompts",
+                      file=sys.stderr)
+                return 1
+            streams.append((r["category"], llm.prompt_tokens(p.text, chat=p.chat),
+                            llm.model.tokenize(r["text"], add_special=False)))
+        print(f"{len(streams)} plain answers of {', '.join(ns.jsonl)}; cost table of "
+              f"{table.machine.get('cpu', '?')} ({table.machine.get('build', '?')})")
+        print("| category | answers | " + " | ".join(f"prior {p}: speed-up (drafted/accepted)"
+                                                     for p in priors) + " |")
+        print("|---|---|" + "---|" * len(priors))
+        per: dict[str, list] = {}
+        for k, prior in enumerate(priors):
+            # 'off': a prior no answer outweighs, the factor stays 1
+            ContextSource.COPY_PRIOR = 1e12 if prior == "off" else float(prior)
+            for cat, prompt, out in streams:
+                s = simulate(prompt, out, table, model, limit=ns.max_tokens, is_eog=eog)
+                acc = per.setdefault(cat, [[0.0, 0.0, 0, 0] for _ in priors])[k]
+                for i, v in enumerate((s.seconds, s.plain_seconds, s.drafted, s.accepted)):
+                    acc[i] += v
+        ContextSource.COPY_PRIOR = shipped
+        for cat, accs in sorted(per.items()):
+            n = sum(c == cat for c, _, _ in streams)
+            print(f"| {cat} | {n} | " + " | ".join(f"{a[1] / a[0]:.3f} ({a[2]}/{a[3]})"
+                                                   for a in accs) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
