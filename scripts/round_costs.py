@@ -46,7 +46,8 @@ def main() -> int:
     from specee_cpp.bench.prompts import DEV_PROMPTS, load as load_prompts, load_spec_bench
     from specee_cpp.bench.suite import shorten
     from specee_cpp.engine.llm import load
-    from specee_cpp.spec.mode import SpecOptions, cost_model, draft_policy
+    from specee_cpp.config import MAX_VERIFY
+    from specee_cpp.spec.mode import SpecOptions, cost_model, draft_policy, verify_scale
 
     with load(ns.target, draft=ns.draft) as llm:
         if ns.prompts:
@@ -92,6 +93,7 @@ def main() -> int:
         # the pair's correction as the spec runs kept it (draft_policy returns the cached
         # one); read while the pair is open
         corr = draft_policy(llm, SpecOptions(gamma="auto")).correction
+        scale = verify_scale(llm, cost_model(llm)) if table is not None else None
     if not plain or table is None:
         print("no plain steps to compare with", file=sys.stderr)
         return 1
@@ -102,6 +104,10 @@ def main() -> int:
     if corr is not None and corr.rounds:
         print(f"the round model's correction after these prompts: x{corr.factor:.3f} "
               f"(accepted {corr.observed:.1f} / predicted {corr.predicted:.1f}, decayed)")
+    if scale is not None:
+        print(f"verification as the context drafter learned it against the table: "
+              f"x{scale.factor(2):.3f} up to {MAX_VERIFY} rows, "
+              f"x{scale.factor(MAX_VERIFY + 1):.3f} past (cost.VerifyScale)")
     pm = st.median(plain)
     print(f"{len(plain)} plain steps, median {pm * 1e3:.1f} ms (table: "
           f"{table.points[0].plain * 1e3:.1f} ms at {table.points[0].context} tokens)")

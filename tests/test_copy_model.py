@@ -254,6 +254,33 @@ def test_short_drafts_the_copy_model_overrates_here_stop_within_the_answer(monke
                        np.mean([forward(n, X) for n in nets], axis=0), rtol=1e-12)
 
 
+def test_a_drafter_whose_verifications_run_dear_stops_its_marginal_drafts(monkeypatch):
+    """With a VerifyScale, the free drafter prices its batches at what its own rounds cost
+    against the plain steps between them: a one-token draft at 0.9 pays by the table (1.9
+    tokens for 1.8 plain steps) and keeps paying while batches cost that, not once they run
+    20% dearer, even with every draft accepted."""
+    from specee_cpp.spec.cost import VerifyScale
+
+    monkeypatch.setattr(ContextSource, "FOLLOW_MIN", 10**9)   # the trie's short drafts only
+    text = _cycle(40)
+    runs = {}
+    for over in (1.0, 1.2):
+        src = ContextSource(STEEP, model=Const(0.9), verify_scale=VerifyScale())
+        src.extend(text)
+        drafted = 0
+        for _ in range(40):
+            d = src.plan(len(text))
+            drafted += len(d)
+            if d:
+                src.update(len(d), len(d), seconds=over * STEEP.verify(len(d) + 1))
+            else:
+                src.plain_step(STEEP.plain)
+            src.plain_step(STEEP.plain)   # a plain step between rounds, as in an answer
+        runs[over] = (drafted, src.plan(len(text)))
+    assert runs[1.0][0] == 40 and runs[1.0][1]
+    assert runs[1.2][0] < 20 and runs[1.2][1] == []
+
+
 def test_a_long_copy_is_drafted_whole_within_the_limit():
     """A context repeating an earlier stretch token for token (>= FOLLOW_MIN) with the trie's
     first guesses right is drafted from that stretch, a whole batch of MAX_FREE_VERIFY at

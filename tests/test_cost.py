@@ -441,3 +441,28 @@ def test_attention_is_timed_both_ways_at_each_context(tmp_path):
     assert seen["contexts"] == [8, 40]
     assert len(seen["default"]) == len(seen["off"]) == 2
     assert all(x > 0 for x in seen["default"] + seen["off"])
+
+
+def test_verification_learned_dearer_than_the_table_is_priced_so():
+    """VerifyScale: batches that run 20% over the table while plain steps run as measured are
+    priced ~20% dearer (shrunk while few were seen); a machine slower all round keeps its
+    table; the plain token, the unit, is never scaled; long batches learn apart."""
+    c = CostModel([1.0 + 0.5 * i for i in range(16)], 0.3, long_sizes=[32, 64],
+                  long_batch_s=[12.0, 20.0])
+    dear, slow = cost.VerifyScale(), cost.VerifyScale()
+    assert dear.apply(c) is c and dear.factor(3) == 1.0           # nothing seen: the table
+    for _ in range(40):
+        dear.observe(c, 1, c.plain)
+        dear.observe(c, 3, 1.2 * c.verify(3))
+        slow.observe(c, 1, 1.3 * c.plain)
+        slow.observe(c, 5, 1.3 * c.verify(5))
+    assert 1.12 < dear.factor(3) < 1.2 and dear.factor(1) == 1.0
+    assert slow.factor(5) == pytest.approx(1.0, abs=0.01)
+    assert dear.factor(32) == pytest.approx(1.0)                  # no long batch seen
+    scaled = dear.apply(c)
+    assert scaled.plain == c.plain and scaled.verify(3) == pytest.approx(
+        c.verify(3) * dear.factor(3), rel=1e-3)                   # factors kept to 3 places
+    assert scaled.verify(64) == c.verify(64) and dear.apply(c) is scaled
+    one = cost.VerifyScale()
+    one.observe(c, 3, 100.0 * c.verify(3))      # one burst: clipped, and shrunk by the prior
+    assert one.factor(3) < 1.1

@@ -180,6 +180,70 @@ class CostTable:
         return any(p.drafting_can_pay(g_max) for p in self.points)
 
 
+class VerifyScale:
+    """What a verification batch really costs here and now against the cost table, learned
+    from the rounds themselves. The table is measured once per machine, in a tight loop; on
+    the 2-core EPYC with AVX2 only the context drafts of HumanEval answers were verified at
+    2.05/2.32/4.30 plain steps for 2/3/7 drafted tokens where the table said 1.84/2.14/3.65
+    (`scripts/round_costs.py`, session 31), and such a table ratio moves 10-30% from one
+    measurement to the next on a shared VM (`scripts/cost_spread.py`).
+
+    It keeps decayed means of log(real / table) for plain steps and for verification batches
+    (short: up to MAX_VERIFY rows, long: more), each at the context it ran at, and scales the
+    table's batches by exp(batch mean - plain mean): a machine slower all round (both
+    alike) keeps its table, one whose batches grew dearer than its single tokens pays more for
+    them. Each mean is shrunk towards 0 as if ``prior`` observations had matched the table, and
+    each ratio clipped to [1/2, 2] (one step that met a neighbour's burst moves it little).
+    It belongs to the machine, not the prompt: kept with the loaded pair."""
+
+    def __init__(self, prior: float = 8.0, window: int = 64):
+        self.prior, self.keep = prior, 1.0 - 1.0 / window
+        self._sum = {"plain": 0.0, "short": 0.0, "long": 0.0}   # decayed sums of log ratios
+        self._n = {"plain": 0.0, "short": 0.0, "long": 0.0}     # and of their weights
+        self._applied: tuple | None = None   # (the costs, their factors, the scaled copy)
+
+    @staticmethod
+    def _kind(n_rows: int) -> str:
+        return "plain" if n_rows <= 1 else "short" if n_rows <= MAX_VERIFY else "long"
+
+    def observe(self, costs: CostModel, n_rows: int, seconds: float) -> None:
+        """A target batch of ``n_rows`` (1: a plain step) took ``seconds`` where ``costs``
+        (the table at that context) say ``costs.verify(n_rows)``."""
+        if seconds <= 0:
+            return
+        ratio = min(max(seconds / costs.verify(n_rows), 0.5), 2.0)
+        k = self._kind(n_rows)
+        self._sum[k] = self.keep * self._sum[k] + float(np.log(ratio))
+        self._n[k] = self.keep * self._n[k] + 1.0
+
+    def _mean(self, kind: str) -> float:
+        return self._sum[kind] / (self._n[kind] + self.prior)
+
+    def factor(self, n_rows: int) -> float:
+        """What the table's batch of ``n_rows`` is multiplied by (1 for a plain step)."""
+        k = self._kind(n_rows)
+        return 1.0 if k == "plain" else float(np.exp(self._mean(k) - self._mean("plain")))
+
+    def apply(self, costs: CostModel) -> CostModel:
+        """``costs`` with every batch of 2+ rows scaled by its factor (the plain token kept:
+        the unit the policies compare against). The same costs and factors give the same
+        copy back, as the drafter asks every round."""
+        f = (round(self.factor(2), 3), round(self.factor(MAX_VERIFY + 1), 3))
+        if self._applied is not None and self._applied[0] is costs and self._applied[1] == f:
+            return self._applied[2]
+        if f == (1.0, 1.0):
+            scaled = costs
+        else:
+            t = costs.target_batch_s
+            scaled = replace(costs, plain_token_s=costs.plain,
+                             target_batch_s=[t[0]] + [x * f[0] for x in t[1:]],
+                             long_batch_s=[x * (f[0] if n <= MAX_VERIFY else f[1])
+                                           for n, x in zip(costs.long_sizes,
+                                                           costs.long_batch_s)])
+        self._applied = (costs, f, scaled)
+        return scaled
+
+
 def as_table(costs: CostModel | CostTable) -> CostTable:
     if isinstance(costs, CostTable):
         return costs

@@ -231,6 +231,15 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     return policy
 
 
+def verify_scale(llm, costs):
+    """What verification batches really cost on this machine against its table ``costs``
+    (cost.VerifyScale), learned from the context drafter's rounds and kept with the pair
+    and that table: unlike the guard's verdicts it is the machine's, whatever the prompt."""
+    from .cost import VerifyScale
+
+    return llm.cached(("spec", "verify_scale", id(costs)), VerifyScale)
+
+
 def context_guard(costs):
     """A fresh guard of the context's short drafts (spec/suffix.py) for one generation.
     Unlike the draft model's (draft_policy), it is not kept with the pair: whether copying
@@ -304,7 +313,8 @@ class Spec(Mode):
                 context=ContextSource(costs, history=hist.trie if hist else None,
                                       model=copy, follow_max=follow_max,
                                       is_eog=llm.model.is_eog,
-                                      guard=context_guard(costs))
+                                      guard=context_guard(costs),
+                                      verify_scale=verify_scale(llm, costs))
                 if with_context else None, max_new=max_new, is_eog=llm.model.is_eog)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)

@@ -169,7 +169,8 @@ class ContextSource:
     def __init__(self, costs, depth: int = 8, n_max: int = MAX_VERIFY - 1,
                  history: SuffixTrie | None = None, model=None,
                  follow_max: int = MAX_FREE_VERIFY - 1,
-                 is_eog: Callable[[int], bool] | None = None, guard=None):
+                 is_eog: Callable[[int], bool] | None = None, guard=None,
+                 verify_scale=None):
         from .cost import as_table
 
         self.table = as_table(costs) if costs is not None else None
@@ -206,6 +207,11 @@ class ContextSource:
         # accepted on the AMX Xeon), it holds them back and probes again later; None: never
         self.guard = guard
         self._short = False
+        # what its verification batches really cost against the table (cost.VerifyScale,
+        # kept with the pair; None: the table as measured), taught by its own rounds and the
+        # plain steps between them
+        self.verify_scale = verify_scale
+        self._at = None               # the table's costs at the last plan's context
         # the copy model's short drafts checked against this answer's rounds: accepted over
         # predicted tokens, shrunk towards 1 by COPY_PRIOR rounds as predicted, scales the
         # first token's acceptance (``accept_probs``). The nets are fitted on chat answers
@@ -369,7 +375,9 @@ class ContextSource:
     def plan(self, n_context: int, room: int | None = None) -> list[int]:
         """This round's free draft for a cache of ``n_context`` tokens, at most ``room``
         tokens (the caller's limit); empty: plain decoding pays more."""
-        costs = self.table.at(n_context)
+        costs = self._at = self.table.at(n_context)
+        if self.verify_scale is not None:
+            costs = self.verify_scale.apply(costs)
         self.expected_tps = 1.0 / costs.plain
         if self.guard is not None:
             # plain steps slow down as the cache grows; until one is seen at this length the
@@ -400,6 +408,8 @@ class ContextSource:
         """After a context round that took ``seconds``: tokens before the first rejection
         were accepted (each a success), the first rejected one a failure, the rest
         unobserved."""
+        if n_drafted and self.verify_scale is not None and self._at is not None:
+            self.verify_scale.observe(self._at, n_drafted + 1, seconds)
         if n_drafted:
             self.beta[self._src][self._band][0] += n_accept
             self.beta[self._src][self._band][1] += n_accept < n_drafted
@@ -412,5 +422,7 @@ class ContextSource:
         """A plain decoding step took ``seconds`` (what short drafts must beat)."""
         if self.correction is not None:
             self.correction.plain_step()
+        if self.verify_scale is not None and self._at is not None:
+            self.verify_scale.observe(self._at, 1, seconds)
         if self.guard is not None and seconds > 0:
             self.guard.observe(0, 1, seconds)
