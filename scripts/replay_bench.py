@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Replay the context drafter over a bench run's plain outputs: per category, the speed-up
 over plain decoding this machine's cost table predicts for the free drafts, with drafted
-and accepted counts (spec/copy_model.simulate: exact rounds, time from the costs).
+and accepted counts (spec/copy_model.replay: exact rounds, time from the costs).
 
 A bench's `plain` rows are the target's greedy answers; re-tokenized with their prompts
 (Spec-Bench prompts cut to --max-prompt-tokens as bench cuts them, others from --prompts)
@@ -37,7 +37,7 @@ def main() -> int:
     from specee_cpp.bench.prompts import DEV_PROMPTS, load as load_prompts, load_spec_bench
     from specee_cpp.bench.suite import shorten
     from specee_cpp.engine.llm import load
-    from specee_cpp.spec.copy_model import simulate
+    from specee_cpp.spec.copy_model import replay
     from specee_cpp.spec.mode import copy_model, cost_model
     from specee_cpp.spec.suffix import ContextSource
 
@@ -58,27 +58,24 @@ def main() -> int:
                 print(f"{r['prompt_id']}: not in the prompt sources; pass --prompts",
                       file=sys.stderr)
                 return 1
-            streams.append((r["category"], llm.prompt_tokens(p.text, chat=p.chat),
-                            llm.model.tokenize(r["text"], add_special=False)))
+            streams.append({"category": r["category"], "max_tokens": ns.max_tokens,
+                            "prompt": llm.prompt_tokens(p.text, chat=p.chat),
+                            "output": llm.model.tokenize(r["text"], add_special=False)})
         print(f"{len(streams)} plain answers of {', '.join(ns.jsonl)}; cost table of "
               f"{table.machine.get('cpu', '?')} ({table.machine.get('build', '?')})")
         print("| category | answers | " + " | ".join(f"prior {p}: speed-up (drafted/accepted)"
                                                      for p in priors) + " |")
         print("|---|---|" + "---|" * len(priors))
-        per: dict[str, list] = {}
-        for k, prior in enumerate(priors):
+        runs = []
+        for prior in priors:
             # 'off': a prior no answer outweighs, the factor stays 1
             ContextSource.COPY_PRIOR = 1e12 if prior == "off" else float(prior)
-            for cat, prompt, out in streams:
-                s = simulate(prompt, out, table, model, limit=ns.max_tokens, is_eog=eog)
-                acc = per.setdefault(cat, [[0.0, 0.0, 0, 0] for _ in priors])[k]
-                for i, v in enumerate((s.seconds, s.plain_seconds, s.drafted, s.accepted)):
-                    acc[i] += v
+            runs.append(replay(streams, model, table, eog))
         ContextSource.COPY_PRIOR = shipped
-        for cat, accs in sorted(per.items()):
-            n = sum(c == cat for c, _, _ in streams)
-            print(f"| {cat} | {n} | " + " | ".join(f"{a[1] / a[0]:.3f} ({a[2]}/{a[3]})"
-                                                   for a in accs) + " |")
+        for cat in sorted(runs[0]):
+            print(f"| {cat} | {runs[0][cat]['streams']} | " + " | ".join(
+                f"{r[cat]['speedup_fitted']:.3f} ({r[cat]['drafted_fitted']}/"
+                f"{r[cat]['accepted_fitted']})" for r in runs) + " |")
     return 0
 
 

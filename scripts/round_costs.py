@@ -45,8 +45,8 @@ def main() -> int:
 
     from specee_cpp.bench.prompts import DEV_PROMPTS, load as load_prompts, load_spec_bench
     from specee_cpp.bench.suite import shorten
-    from specee_cpp.engine.llm import load
     from specee_cpp.config import MAX_VERIFY
+    from specee_cpp.engine.llm import load
     from specee_cpp.spec.mode import SpecOptions, cost_model, draft_policy, verify_scale
 
     with load(ns.target, draft=ns.draft) as llm:

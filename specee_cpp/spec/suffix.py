@@ -408,9 +408,9 @@ class ContextSource:
         """After a context round that took ``seconds``: tokens before the first rejection
         were accepted (each a success), the first rejected one a failure, the rest
         unobserved."""
-        if n_drafted and self.verify_scale is not None and self._at is not None:
-            self.verify_scale.observe(self._at, n_drafted + 1, seconds)
         if n_drafted:
+            if self.verify_scale is not None and self._at is not None:
+                self.verify_scale.observe(self._at, n_drafted + 1, seconds)
             self.beta[self._src][self._band][0] += n_accept
             self.beta[self._src][self._band][1] += n_accept < n_drafted
             if self._short and self.correction is not None and self._raw is not None:
