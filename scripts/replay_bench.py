@@ -9,9 +9,16 @@ they replay what `--mode spec` would draft from the context on them, for no deco
 all: a change to the drafter is read here first, on the very answers whose timed run it
 is meant to change, then confirmed by `specee-cpp bench`. `--copy-prior` compares the
 per-answer correction of the copy model (`ContextSource.COPY_PRIOR`; `off`: none).
+`--real-scale` times the rounds with the table's batches scaled (the drafter still decides
+with the table): where real verification runs dearer than the table
+(`scripts/round_costs.py` prints by how much), the replay reads what a bench will, not what
+the table promises (the 2-core EPYC's code edits: 1.62x by the table, 1.41x with x1.18 up
+to 16 rows and x1.22 past, 1.46x in their bench).
 
     python scripts/replay_bench.py docs/bench/humaneval-0-23-epyc-avx2-s31.jsonl \\
         --prompts humaneval:0-23 --max-tokens 128 --copy-prior off,6
+    python scripts/replay_bench.py docs/bench/code-edit-epyc-avx2-s32.jsonl \\
+        --prompts humaneval-edit:82-89 --max-tokens 192 --real-scale 1.18,1.22
 """
 from __future__ import annotations
 
@@ -30,6 +37,9 @@ def main() -> int:
     ap.add_argument("--copy-prior", default="",
                     help="comma-separated priors of the per-answer copy correction to "
                          "compare ('off': none); default: the shipped one")
+    ap.add_argument("--real-scale", default="",
+                    help="SHORT[,LONG]: time the rounds with the table's batches of up to 16 "
+                         "rows (and longer ones) multiplied by these; default: the table")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b:auto", help="keys the cost table")
     ns = ap.parse_args()
@@ -41,6 +51,14 @@ def main() -> int:
     from specee_cpp.spec.mode import copy_model, cost_model
     from specee_cpp.spec.suffix import ContextSource
 
+    try:
+        scale = [float(x) for x in ns.real_scale.split(",") if x.strip()]
+    except ValueError:
+        scale = []
+    if ns.real_scale and (not 1 <= len(scale) <= 2 or any(x <= 0 for x in scale)):
+        print(f"--real-scale wants SHORT[,LONG], positive numbers; got {ns.real_scale!r}",
+              file=sys.stderr)
+        return 2
     rows = [json.loads(line) for f in ns.jsonl for line in open(f, encoding="utf-8")]
     rows = [r for r in rows if r.get("config") == "plain" and r.get("text") is not None]
     shipped = ContextSource.COPY_PRIOR
@@ -61,8 +79,11 @@ def main() -> int:
             streams.append({"category": r["category"], "max_tokens": ns.max_tokens,
                             "prompt": llm.prompt_tokens(p.text, chat=p.chat),
                             "output": llm.model.tokenize(r["text"], add_special=False)})
+        timing = table.scaled(*scale) if scale else None
         print(f"{len(streams)} plain answers of {', '.join(ns.jsonl)}; cost table of "
-              f"{table.machine.get('cpu', '?')} ({table.machine.get('build', '?')})")
+              f"{table.machine.get('cpu', '?')} ({table.machine.get('build', '?')})"
+              + (f"; rounds timed with its batches x{scale[0]:g} up to 16 rows, "
+                 f"x{scale[-1]:g} past" if scale else ""))
         print("| category | answers | " + " | ".join(f"prior {p}: speed-up (drafted/accepted)"
                                                      for p in priors) + " |")
         print("|---|---|" + "---|" * len(priors))
@@ -70,7 +91,7 @@ def main() -> int:
         for prior in priors:
             # 'off': a prior no answer outweighs, the factor stays 1
             ContextSource.COPY_PRIOR = 1e12 if prior == "off" else float(prior)
-            runs.append(replay(streams, model, table, eog))
+            runs.append(replay(streams, model, table, eog, timing=timing))
         ContextSource.COPY_PRIOR = shipped
         for cat in sorted(runs[0]):
             print(f"| {cat} | {runs[0][cat]['streams']} | " + " | ".join(

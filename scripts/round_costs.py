@@ -37,7 +37,10 @@ def main() -> int:
     ap.add_argument("--prompts", default="",
                     help="a bench prompt source instead of --ids, e.g. humaneval:19-20")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="cut longer user messages in the middle as bench does (default: 256 "
+                         "for --ids, as the Spec-Bench benches run; none for --prompts, whose "
+                         "code edits copy from the whole prompt)")
     ap.add_argument("--with-plain", action="store_true",
                     help="run plain decoding before each spec run and print both speeds")
     ap.add_argument("--repeats", type=int, default=1)
@@ -55,11 +58,13 @@ def main() -> int:
         else:
             by_id = {p.id: p for p in load_spec_bench(DEV_PROMPTS)}
             chosen = [by_id[f"{DEV_PROMPTS.stem}:{i.strip()}"] for i in ns.ids.split(",")]
+        cut = ns.max_prompt_tokens if ns.max_prompt_tokens is not None else (
+            0 if ns.prompts else 256)
         plain, rounds, table = [], defaultdict(list), None
         total = defaultdict(lambda: [0.0, 0])   # mode -> seconds, tokens over all prompts
         for _ in range(ns.repeats):
             for p in chosen:
-                p = shorten(p, llm.model, ns.max_prompt_tokens)
+                p = shorten(p, llm.model, cut)
                 speeds = {}
                 for mode in ("plain", "spec") if ns.with_plain else ("spec",):
                     llm.reset()

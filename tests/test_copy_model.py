@@ -78,6 +78,29 @@ def test_simulate_drafts_copies_where_verification_is_cheap_and_not_where_it_is_
     assert fresh.drafted == 0 and fresh.rounds == 59 and fresh.speedup == pytest.approx(1.0)
 
 
+def test_a_replay_timed_dearer_than_the_table_decides_alike_and_reads_slower():
+    """``timing``: the drafter decides with its table, the rounds are timed with another (real
+    verification dearer than the table): the same rounds and drafts, its drafted rounds
+    slower, plain's time unchanged; the oracle decides in the timed world, as it knows it."""
+    prompt, out = _cycle(48), _cycle(60)
+    table = simulate(prompt, out, FLAT)
+    dear = simulate(prompt, out, FLAT, timing=FLAT.scaled(1.5))
+    assert (dear.rounds, dear.drafted, dear.accepted) == (table.rounds, table.drafted,
+                                                          table.accepted)
+    assert dear.plain_seconds == pytest.approx(table.plain_seconds)
+    assert dear.seconds > table.seconds and dear.speedup < table.speedup
+    # scaled by 1: the table itself
+    same = simulate(prompt, out, FLAT, timing=FLAT.scaled(1.0))
+    assert same.seconds == pytest.approx(table.seconds)
+    # so dear that no draft pays: the oracle stays plain, the table's drafter loses
+    oracle = simulate(prompt, out, FLAT, oracle=True, timing=FLAT.scaled(40.0))
+    assert oracle.drafted == 0 and oracle.speedup == pytest.approx(1.0)
+    assert simulate(prompt, out, FLAT, timing=FLAT.scaled(40.0)).speedup < 0.5
+    streams = [{"prompt": prompt, "output": out, "category": "c"}]
+    assert replay(streams, Const(0.9), FLAT, timing=FLAT.scaled(1.5))["c"]["speedup_fitted"] \
+        < replay(streams, Const(0.9), FLAT)["c"]["speedup_fitted"]
+
+
 class Const:
     """A copy model that predicts one acceptance probability for every token (and counts on
     followed copies never breaking off)."""

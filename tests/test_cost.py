@@ -466,3 +466,21 @@ def test_verification_learned_dearer_than_the_table_is_priced_so():
     one = cost.VerifyScale()
     one.observe(c, 3, 100.0 * c.verify(3))      # one burst: clipped, and shrunk by the prior
     assert one.factor(3) < 1.1
+
+
+def test_scaled_costs_multiply_the_batches_and_keep_the_unit():
+    """CostModel.scaled / CostTable.scaled (a replay's timing where real verification runs
+    dearer than the table): batches of 2..MAX_VERIFY rows by the first factor, longer ones by
+    the second, the plain token and the draft kept, every point of a table alike."""
+    c = CostModel([1.0 + 0.5 * i for i in range(16)], 0.3, long_sizes=[16, 32, 64],
+                  long_batch_s=[8.5, 12.0, 20.0], context=128)
+    s = c.scaled(1.2, 1.5)
+    assert s.plain == c.plain and s.draft(3) == c.draft(3)
+    assert s.verify(1) == c.verify(1) and s.verify(4) == pytest.approx(1.2 * c.verify(4))
+    assert s.long_batch_s == pytest.approx([8.5 * 1.2, 12.0 * 1.5, 20.0 * 1.5])
+    assert c.scaled(1.2).long_batch_s == pytest.approx([8.5 * 1.2, 12.0 * 1.2, 20.0 * 1.2])
+    table = cost.CostTable([c, replace(c, context=1024, plain_token_s=2.0)])
+    st = table.scaled(2.0)
+    assert [p.context for p in st.points] == [128, 1024]
+    assert st.at(500).verify(3) == pytest.approx(2.0 * table.at(500).verify(3))
+    assert st.at(500).plain == pytest.approx(table.at(500).plain)

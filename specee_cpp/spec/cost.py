@@ -88,6 +88,17 @@ class CostModel:
         tokens = (1.0 - a ** (gamma + 1)) / (1.0 - a)
         return tokens / (self.draft(gamma) + self.verify(gamma + 1))
 
+    def scaled(self, short: float, long: float | None = None) -> CostModel:
+        """These costs with every target batch of 2 to MAX_VERIFY rows multiplied by
+        ``short`` and every longer one by ``long`` (``short`` where None); the plain token,
+        the unit the policies compare against, and the draft kept."""
+        long = short if long is None else long
+        t = self.target_batch_s
+        return replace(self, plain_token_s=self.plain,
+                       target_batch_s=[t[0]] + [x * short for x in t[1:]],
+                       long_batch_s=[x * (short if n <= MAX_VERIFY else long)
+                                     for n, x in zip(self.long_sizes, self.long_batch_s)])
+
     def drafting_can_pay(self, g_max: int) -> bool:
         """Whether some draft length up to g_max beats plain decoding even with every
         drafted token accepted; if not, a cost-aware policy never drafts."""
@@ -179,6 +190,12 @@ class CostTable:
     def drafting_can_pay(self, g_max: int) -> bool:
         return any(p.drafting_can_pay(g_max) for p in self.points)
 
+    def scaled(self, short: float, long: float | None = None) -> CostTable:
+        """Every point's batches scaled (``CostModel.scaled``): what a replay times its
+        rounds with where real verification runs dearer than the table
+        (scripts/round_costs.py measures by how much)."""
+        return replace(self, points=[p.scaled(short, long) for p in self.points])
+
 
 class VerifyScale:
     """What a verification batch really costs here and now against the cost table, learned
@@ -231,15 +248,7 @@ class VerifyScale:
         f = (round(self.factor(2), 3), round(self.factor(MAX_VERIFY + 1), 3))
         if self._applied is not None and self._applied[0] is costs and self._applied[1] == f:
             return self._applied[2]
-        if f == (1.0, 1.0):
-            scaled = costs
-        else:
-            t = costs.target_batch_s
-            scaled = replace(costs, plain_token_s=costs.plain,
-                             target_batch_s=[t[0]] + [x * f[0] for x in t[1:]],
-                             long_batch_s=[x * (f[0] if n <= MAX_VERIFY else f[1])
-                                           for n, x in zip(costs.long_sizes,
-                                                           costs.long_batch_s)])
+        scaled = costs if f == (1.0, 1.0) else costs.scaled(*f)
         self._applied = (costs, f, scaled)
         return scaled
 
