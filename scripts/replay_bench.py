@@ -13,7 +13,9 @@ per-answer correction of the copy model (`ContextSource.COPY_PRIOR`; `off`: none
 with the table): where real verification runs dearer than the table
 (`scripts/round_costs.py` prints by how much), the replay reads what a bench will, not what
 the table promises (the 2-core EPYC's code edits: 1.62x by the table, 1.41x with x1.18 up
-to 16 rows and x1.22 past, 1.46x in their bench).
+to 16 rows and x1.22 past, 1.46x in their bench). `--as-run` gives the drafter what
+`--mode spec` gives it: a guard of its short drafts per answer and a verification scale
+learned from the (timed) rounds over the answers in order.
 
     python scripts/replay_bench.py docs/bench/humaneval-0-23-epyc-avx2-s31.jsonl \\
         --prompts humaneval:0-23 --max-tokens 128 --copy-prior off,6
@@ -40,6 +42,9 @@ def main() -> int:
     ap.add_argument("--real-scale", default="",
                     help="SHORT[,LONG]: time the rounds with the table's batches of up to 16 "
                          "rows (and longer ones) multiplied by these; default: the table")
+    ap.add_argument("--as-run", action="store_true",
+                    help="the drafter with its guard and learned verification scale, as "
+                         "--mode spec runs it")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b:auto", help="keys the cost table")
     ns = ap.parse_args()
@@ -83,7 +88,9 @@ def main() -> int:
         print(f"{len(streams)} plain answers of {', '.join(ns.jsonl)}; cost table of "
               f"{table.machine.get('cpu', '?')} ({table.machine.get('build', '?')})"
               + (f"; rounds timed with its batches x{scale[0]:g} up to 16 rows, "
-                 f"x{scale[-1]:g} past" if scale else ""))
+                 f"x{scale[-1]:g} past" if scale else "")
+              + ("; the drafter as --mode spec runs it (guard, learned scale)"
+                 if ns.as_run else ""))
         print("| category | answers | " + " | ".join(f"prior {p}: speed-up (drafted/accepted)"
                                                      for p in priors) + " |")
         print("|---|---|" + "---|" * len(priors))
@@ -91,7 +98,7 @@ def main() -> int:
         for prior in priors:
             # 'off': a prior no answer outweighs, the factor stays 1
             ContextSource.COPY_PRIOR = 1e12 if prior == "off" else float(prior)
-            runs.append(replay(streams, model, table, eog, timing=timing))
+            runs.append(replay(streams, model, table, eog, timing=timing, as_run=ns.as_run))
         ContextSource.COPY_PRIOR = shipped
         for cat in sorted(runs[0]):
             print(f"| {cat} | {runs[0][cat]['streams']} | " + " | ".join(

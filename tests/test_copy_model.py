@@ -101,6 +101,29 @@ def test_a_replay_timed_dearer_than_the_table_decides_alike_and_reads_slower():
         < replay(streams, Const(0.9), FLAT)["c"]["speedup_fitted"]
 
 
+def test_a_replay_as_run_learns_what_its_timed_rounds_cost(monkeypatch):
+    """``as_run``: the drafter as --mode spec builds it (its guard, a verification scale
+    carried across the answers), taught by the timed rounds. Where verification runs 30%
+    over the table, the one-token drafts the table says pay (0.9 each: 1.9 tokens for 1.8
+    plain steps) stop once the scale has learned it, and the replay reads faster than the
+    drafter that goes on trusting the table; timed by the table itself, it drafts as before."""
+    from specee_cpp.spec.cost import VerifyScale
+
+    monkeypatch.setattr(ContextSource, "FOLLOW_MIN", 10**9)   # the trie's short drafts only
+    prompt, out = _cycle(48), _cycle(120)
+    dear = STEEP.scaled(1.3)
+    trusting = simulate(prompt, out, STEEP, Const(0.9), timing=dear)
+    scale = VerifyScale()
+    learning = simulate(prompt, out, STEEP, Const(0.9), timing=dear, as_run=scale)
+    assert scale.factor(2) > 1.05   # shrunk by its prior; it stops drafting before 1.3
+    assert learning.drafted < trusting.drafted and learning.speedup > trusting.speedup
+    as_table = simulate(prompt, out, STEEP, Const(0.9), as_run=VerifyScale())
+    assert as_table.drafted == simulate(prompt, out, STEEP, Const(0.9)).drafted
+    streams = [{"prompt": prompt, "output": out, "category": "c"}] * 2
+    assert replay(streams, Const(0.9), STEEP, timing=dear, as_run=True)["c"]["speedup_fitted"] \
+        > replay(streams, Const(0.9), STEEP, timing=dear)["c"]["speedup_fitted"]
+
+
 class Const:
     """A copy model that predicts one acceptance probability for every token (and counts on
     followed copies never breaking off)."""

@@ -106,9 +106,10 @@ class CopyModel:
 
 
 def _start(prompt: list[int], output: list[int], costs=None, model=None,
-           is_eog=None) -> ContextSource:
+           is_eog=None, guard=None, verify_scale=None) -> ContextSource:
     # as generate_spec starts it: the prompt and the first token (from prefill) unscored
-    src = ContextSource(costs, model=model, is_eog=is_eog)
+    src = ContextSource(costs, model=model, is_eog=is_eog, guard=guard,
+                        verify_scale=verify_scale)
     src.extend(list(prompt) + list(output[:1]))
     return src
 
@@ -147,7 +148,7 @@ class Simulated:
 
 def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | None = None,
              oracle: bool = False, limit: int | None = None, is_eog=None,
-             timing=None) -> Simulated:
+             timing=None, as_run=None) -> Simulated:
     """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
     ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``. With
     ``oracle`` it knows how much of each proposal (the trie's, and the copied stretch's
@@ -159,8 +160,14 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
     table the rounds are timed with (default ``costs``, which the drafter decides with): on
     the 2-core EPYC real batches ran ~20% over the table, and code edits timed so replayed
     at 1.41x of plain, as their bench measured (1.46x), where timed by the table they
-    replayed at 1.62x (docs/draft-length.md)."""
-    src = _start(prompt, output, costs, model, is_eog)
+    replayed at 1.62x (docs/draft-length.md). ``as_run``: a ``cost.VerifyScale`` (one per
+    replay, carried from answer to answer as a loaded pair carries it): the drafter runs as
+    ``--mode spec`` builds it, with that scale and a fresh guard of its short drafts, both
+    taught by the rounds' timed seconds."""
+    from .policies import Guard
+
+    guard = Guard(1.0 / as_table(costs).points[0].plain) if as_run is not None else None
+    src = _start(prompt, output, costs, model, is_eog, guard=guard, verify_scale=as_run)
     clock = src.table if timing is None else as_table(timing)
     t, seconds, plain, rounds, drafted, accepted = 1, 0.0, 0.0, 0, 0, 0
     while t < len(output):
@@ -182,7 +189,7 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
         a = accept_greedy(d, target_at)[0]
         if d:
             seconds += c.verify(len(d) + 1)
-            src.update(len(d), a)
+            src.update(len(d), a, c.verify(len(d) + 1))
         else:
             seconds += c.plain
             src.plain_step(c.plain)   # as generate_spec tells it (the correction fades)
@@ -312,10 +319,15 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None,
 
 
 def replay(test: list[dict], model: CopyModel, costs, is_eog=None,
-           total: str | None = None, timing=None) -> dict:
+           total: str | None = None, timing=None, as_run: bool = False) -> dict:
     """Per category: simulated speed-up over plain of the fitted model, the guess and the
     oracle on the streams ``test``, with drafted/accepted counts; ``total``, if given, names
-    one more row over every stream; ``timing`` as in ``simulate``."""
+    one more row over every stream; ``timing`` as in ``simulate``; ``as_run``: the fitted
+    model's and the guess's drafters each with a guard per answer and a verification scale
+    over the streams in order (``simulate``'s ``as_run``)."""
+    from .cost import VerifyScale
+
+    scales = {"fitted": VerifyScale(), "guess": VerifyScale()} if as_run else {}
     per: dict[str, dict] = {}
     for s in test:
         rows = [per.setdefault(cat, {"streams": 0, "fitted": [0.0, 0.0], "guess": [0.0, 0.0],
@@ -326,9 +338,9 @@ def replay(test: list[dict], model: CopyModel, costs, is_eog=None,
         runs = {"oracle": simulate(s["prompt"], s["output"], costs, oracle=True, limit=limit,
                                    is_eog=is_eog, timing=timing)}
         for m in (model, None):
-            runs["fitted" if m is not None else "guess"] = simulate(
-                s["prompt"], s["output"], costs, m, limit=limit, is_eog=is_eog,
-                timing=timing)
+            name = "fitted" if m is not None else "guess"
+            runs[name] = simulate(s["prompt"], s["output"], costs, m, limit=limit,
+                                  is_eog=is_eog, timing=timing, as_run=scales.get(name))
         for row in rows:
             row["streams"] += 1
             for name, r in runs.items():
