@@ -35,6 +35,7 @@ from ..mlp import forward_mean, load_npz, save_npz, stack, train_mlp
 from ..paths import BUNDLE_DIR
 from .cost import as_table
 from .decode import accept_greedy, draft_room
+from .policies import context_guard
 from .suffix import ContextSource, best_prefix
 
 MODEL_VERSION = 2
@@ -164,9 +165,7 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
     replay, carried from answer to answer as a loaded pair carries it): the drafter runs as
     ``--mode spec`` builds it, with that scale and a fresh guard of its short drafts, both
     taught by the rounds' timed seconds."""
-    from .policies import Guard
-
-    guard = Guard(1.0 / as_table(costs).points[0].plain) if as_run is not None else None
+    guard = context_guard(costs) if as_run is not None else None   # as Spec.start gives it
     src = _start(prompt, output, costs, model, is_eog, guard=guard, verify_scale=as_run)
     clock = src.table if timing is None else as_table(timing)
     t, seconds, plain, rounds, drafted, accepted = 1, 0.0, 0.0, 0, 0, 0
@@ -188,8 +187,9 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
             d = src.plan(n_ctx, room)
         a = accept_greedy(d, target_at)[0]
         if d:
-            seconds += c.verify(len(d) + 1)
-            src.update(len(d), a, c.verify(len(d) + 1))
+            round_s = c.verify(len(d) + 1)
+            seconds += round_s
+            src.update(len(d), a, round_s)
         else:
             seconds += c.plain
             src.plain_step(c.plain)   # as generate_spec tells it (the correction fades)

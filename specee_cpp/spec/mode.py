@@ -17,7 +17,7 @@ from ..engine.plain import PLAIN
 from ..engine.steps import with_note
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR
-from .policies import NEEDS_COSTS, NEEDS_MODEL, POLICY_NAMES
+from .policies import NEEDS_COSTS, NEEDS_MODEL, POLICY_NAMES, context_guard
 
 Gamma = int | Literal["auto", "stop", "pmin", "hf", "speckv"]
 
@@ -238,18 +238,6 @@ def verify_scale(llm, costs):
     from .cost import VerifyScale
 
     return llm.cached(("spec", "verify_scale", id(costs)), VerifyScale)
-
-
-def context_guard(costs):
-    """A fresh guard of the context's short drafts (spec/suffix.py) for one generation.
-    Unlike the draft model's (draft_policy), it is not kept with the pair: whether copying
-    from the context pays depends on what this prompt holds, and a verdict carried from
-    one prompt to the next held back the drafts of RAG and summary answers after QA ones
-    (AMX Xeon first turns: rag 1.377x -> 1.005x of plain)."""
-    from .cost import as_table
-    from .policies import Guard
-
-    return Guard(1.0 / as_table(costs).points[0].plain)
 
 
 class Spec(Mode):

@@ -236,6 +236,15 @@ class Guard:
             self.n_judged = self.window   # keep judging the running average
 
 
+def context_guard(costs: CostModel | CostTable) -> Guard:
+    """A fresh guard of the context's short drafts (spec/suffix.py) for one generation.
+    Unlike the draft model's (draft_policy), it is not kept with the pair: whether copying
+    from the context pays depends on what this prompt holds, and a verdict carried from
+    one prompt to the next held back the drafts of RAG and summary answers after QA ones
+    (AMX Xeon first turns: rag 1.377x -> 1.005x of plain)."""
+    return Guard(1.0 / as_table(costs).points[0].plain)
+
+
 class _RoundModelPolicy(DraftPolicy):
     """Shared by the SpecKV objective and ours: predicted acceptance rate per candidate
     gamma from the last drafted round's statistics."""
