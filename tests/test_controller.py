@@ -624,3 +624,85 @@ def test_a_predicted_round_prices_a_long_catch_up():
     assert drafts(100, 60)[1] == 8
     assert drafts(250, 60) == (0.0, 0)
     assert drafts(250, 5) == (0.0, 0)
+
+
+def test_the_model_drafts_at_what_verification_is_seen_to_cost(model):
+    """A cost-aware policy prices verification with the pair's VerifyScale (shared with the
+    context drafter): where batches are seen to run dearer than the table it drafts less or
+    not at all, where they run cheaper it drafts where the table said nothing could pay; the
+    batches it verifies teach the scale, and the next round reads the new prices."""
+    from specee_cpp.spec.cost import VerifyScale
+
+    def seen(ratio: float, costs=XEON, n: int = 60) -> VerifyScale:
+        s = VerifyScale()
+        for _ in range(n):
+            s.observe(costs, 1, costs.plain)
+            s.observe(costs, 4, ratio * costs.verify(4))
+        return s
+
+    def xeon(scale=None):
+        p = policies.CostAwareGamma(LastRate(), XEON, 4.85)
+        if scale is not None:
+            p.use_scale(scale)
+        p.feats = [0.05, 0.1, 0.99, 0.60, 0.60, 4.85]   # 60% of the last round accepted
+        p.at_context(100)
+        return p
+
+    assert xeon().plan() >= 4
+    dear = xeon(seen(1.8))
+    assert dear.costs.verify(4) > 1.5 * XEON.verify(4) and dear.plan() == 0
+    assert xeon(VerifyScale()).plan() == xeon().plan()   # nothing seen: the table
+    cpu = policies.CostAwareGamma(model, CPU, 4.85)
+    assert cpu.plan_is_plain
+    cheap = policies.CostAwareGamma(model, CPU, 4.85)
+    cheap.use_scale(seen(0.5, CPU))
+    assert not cheap.plan_is_plain and cheap.can_pay
+    # taught by its own batches: dear ones move the prices it reads at the next round
+    p = xeon(VerifyScale())
+    scale = p.verify_scale
+    before = p.costs.verify(4)
+    for _ in range(60):
+        p.verified(1, XEON.plain)
+        p.verified(4, 1.8 * XEON.verify(4))
+    assert p.costs.verify(4) == before            # read again before the next round
+    p.at_context(101)
+    assert p.costs.verify(4) > 1.5 * before and scale.factor(4) > 1.5 and p.plan() == 0
+
+
+@pytest.mark.model
+def test_the_loop_tells_the_policy_what_its_batches_cost(pair):
+    """generate_spec reports every full-depth batch of the draft model's rounds to the
+    policy (``verified``: rows, the verify phase's seconds) and, where no context drafter
+    times them, its plain steps; a context drafter's rounds are its own."""
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.spec.decode import generate_spec
+
+    class Every3rd(policies.FixedGamma):
+        def __init__(self):
+            super().__init__(2)
+            self.n, self.told = 0, []
+
+        def plan(self):
+            self.n += 1
+            return 2 if self.n % 3 == 0 else 0
+
+        def verified(self, n_rows, seconds):
+            self.told.append((n_rows, seconds))
+
+    pair.reset()
+    pol = Every3rd()
+    steps = []
+    for st in generate_spec(pair.tgt.seq, pair.dft.seq, pair.prompt_tokens("def fib(n):"),
+                            pol, SamplingConfig(), max_new=30):
+        steps.append(st)
+        if len(steps) >= 30:
+            break
+    rounds = [s for s in steps[1:] if s.timings]
+    # a round is told before its tokens are yielded: the last may be cut off after it
+    assert len(pol.told) - len(rounds) in (0, 1)
+    for (n_rows, seconds), r in zip(pol.told, rounds):
+        if r.n_drafted:
+            assert n_rows == r.n_drafted + 1 and seconds == r.timings["verify"]
+        else:
+            assert n_rows == 1 and seconds == r.timings["decode"]
+    assert {n for n, _ in pol.told} == {1, 3}

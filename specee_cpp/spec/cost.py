@@ -211,7 +211,9 @@ class VerifyScale:
     alike) keeps its table, one whose batches grew dearer than its single tokens pays more for
     them. Each mean is shrunk towards 0 as if ``prior`` observations had matched the table, and
     each ratio clipped to [1/2, 2] (one step that met a neighbour's burst moves it little).
-    It belongs to the machine, not the prompt: kept with the loaded pair."""
+    It belongs to the machine, not the prompt: kept with the loaded pair, and shared by the
+    context drafter and the draft model's cost-aware policy (each prices its rounds with it
+    and teaches it with the batches it verified)."""
 
     def __init__(self, prior: float = 8.0, window: int = 64):
         self.prior, self.keep = prior, 1.0 - 1.0 / window
@@ -241,11 +243,15 @@ class VerifyScale:
         k = self._kind(n_rows)
         return 1.0 if k == "plain" else float(np.exp(self._mean(k) - self._mean("plain")))
 
+    def factors(self) -> tuple[float, float]:
+        """The factors of short and long batches, rounded to 0.1%: what ``apply`` uses."""
+        return round(self.factor(2), 3), round(self.factor(MAX_VERIFY + 1), 3)
+
     def apply(self, costs: CostModel) -> CostModel:
         """``costs`` with every batch of 2+ rows scaled by its factor (the plain token kept:
         the unit the policies compare against). The same costs and factors give the same
         copy back, as the drafter asks every round."""
-        f = (round(self.factor(2), 3), round(self.factor(MAX_VERIFY + 1), 3))
+        f = self.factors()
         if self._applied is not None and self._applied[0] is costs and self._applied[1] == f:
             return self._applied[2]
         scaled = costs if f == (1.0, 1.0) else costs.scaled(*f)

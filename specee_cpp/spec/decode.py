@@ -277,6 +277,13 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                     context.plain_step(round_s)
                 policy.update(len(draft), n_acc, [c[0] for c in conf], [c[1] for c in conf],
                               round_s, tried=g_max > 0, catch_up=ph.seconds.get("catch_up", 0.0))
+                # what a full-depth batch cost (the context drafter times its own rounds and
+                # the plain steps where it runs; an early-exit verifier's batches are not
+                # the table's)
+                if draft and verifier is None:
+                    policy.verified(len(draft) + 1, ph.seconds["verify"])
+                elif not draft and context is None:
+                    policy.verified(1, ph.seconds["decode"])
             if context is not None:
                 context.extend(draft[:n_acc] + [nxt], emitted=True)
         if trace is not None and draft and not free:

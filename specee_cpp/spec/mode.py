@@ -108,8 +108,10 @@ def cost_model(llm, progress=None):
 
 def use_cost_model(llm, costs) -> None:
     """Decide with these costs for this pair instead of measuring (say, a GPU's shape from
-    ``simulate.gpu_like``, to see what the controller would do there)."""
+    ``simulate.gpu_like``, to see what the controller would do there): taken as given, not
+    rescaled by what this machine's batches are seen to cost (``verify_scale``)."""
     llm.remember(("spec", "costs"), costs)
+    llm.remember(("spec", "costs_given"), costs)
 
 
 def acceptance_model(llm, path: Path | None = None):
@@ -214,7 +216,7 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     64-token answers that was most of the answer); so does the correction of the round model
     (what its predicted acceptance came to on this pair). ``kind`` keeps apart the guards
     of modes that verify differently (spec-ee passes its own options)."""
-    from .policies import make_policy
+    from .policies import _ReadsCosts, make_policy
 
     g = opts.gamma
     if isinstance(g, int) and g >= llm.config.n_batch:
@@ -228,15 +230,21 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     if policy.correction is not None:
         policy.correction = llm.cached(("spec", "correction", kind, opts),
                                        lambda: policy.correction) if opts.correction else None
+    scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, _ReadsCosts) else None
+    if scale is not None:   # the context drafter's (Spec.start): one per pair and table
+        policy.use_scale(scale)
     return policy
 
 
 def verify_scale(llm, costs):
     """What verification batches really cost on this machine against its table ``costs``
-    (cost.VerifyScale), learned from the context drafter's rounds and kept with the pair
-    and that table: unlike the guard's verdicts it is the machine's, whatever the prompt."""
+    (cost.VerifyScale), learned from the context drafter's rounds and the draft model's and
+    kept with the pair and that table: unlike the guard's verdicts it is the machine's,
+    whatever the prompt. None for costs given with ``use_cost_model``: taken as they are."""
     from .cost import VerifyScale
 
+    if llm.cached(("spec", "costs_given"), lambda: None) is costs:
+        return None
     return llm.cached(("spec", "verify_scale", id(costs)), VerifyScale)
 
 

@@ -87,6 +87,10 @@ class DraftPolicy:
         catch-up."""
         return not self.plan_is_plain and not self.waiting()
 
+    def verified(self, n_rows: int, seconds: float) -> None:
+        """A full-depth target batch of ``n_rows`` rows (1: a plain step) took ``seconds``;
+        a cost-aware policy learns from it what verification really costs here."""
+
     def prompt_read(self, seconds: float, n_tokens: int) -> None:
         """The draft read ``n_tokens`` of prompt up front in ``seconds``: a batch like any
         catch-up, whose price per token a guard learns from."""
@@ -292,19 +296,44 @@ class SpecKVObjective(_RoundModelPolicy):
 
 class _ReadsCosts:
     """The cost-aware policies' costs: the machine's table, read at the cache's current
-    length whenever it crosses a multiple of ``CONTEXT_STEP`` tokens. ``_read`` derives
-    what a policy needs from one CostModel; ``g_max`` is its longest draft."""
+    length whenever it crosses a multiple of ``CONTEXT_STEP`` tokens, its verification
+    batches priced at what they really cost here and now where a ``cost.VerifyScale`` is
+    given (``use_scale``). ``_read`` derives what a policy needs from one CostModel;
+    ``g_max`` is its longest draft."""
+
+    verify_scale = None
 
     def _use_costs(self, costs: CostModel | CostTable, g_max: int) -> None:
         self.table, self.g_max = as_table(costs), g_max
         self.plan_is_plain = not self.table.drafting_can_pay(g_max)
         self._bucket = None
-        self._read(self.table.points[0])
+        self._base = self.table.points[0]   # the table at this context, before any scale
+        self._scaled_by = (1.0, 1.0)
+        self._read(self._base)
         self.guard = Guard(1.0 / self.costs.plain)
+
+    def use_scale(self, scale) -> None:
+        """Price verification with ``scale`` (a ``cost.VerifyScale``: the one the context
+        drafter shares, kept with the pair), which this policy's own verified batches teach
+        too (``verified``). Whether model drafting can pay at all is judged at the scaled
+        prices: the table is one sample of a ratio that drifts by 10-30% on a shared VM
+        (docs/draft-length.md), and the batches of the 2-core AVX2 EPYC ran ~20% over it."""
+        self.verify_scale = scale
+        self.plan_is_plain = not any(scale.apply(p).drafting_can_pay(self.g_max)
+                                     for p in self.table.points)
+        self._rescale()
 
     def _read(self, costs: CostModel) -> None:
         self.costs = costs
         self.can_pay = costs.drafting_can_pay(self.g_max)
+
+    def _rescale(self) -> None:
+        """Read the table point at this context again where the scale's factors moved."""
+        f = self.verify_scale.factors() if self.verify_scale is not None else (1.0, 1.0)
+        if f != self._scaled_by:
+            self._scaled_by = f
+            self._read(self._base if self.verify_scale is None
+                       else self.verify_scale.apply(self._base))
 
     @property
     def one_draft_decode_s(self) -> float:
@@ -315,8 +344,16 @@ class _ReadsCosts:
         bucket = n_tokens // CONTEXT_STEP
         if bucket != self._bucket and len(self.table.points) > 1:
             self._bucket = bucket
-            self._read(self.table.at(n_tokens))
-            self.guard.plain_prior = 1.0 / self.costs.plain
+            self._base = self.table.at(n_tokens)
+            self._scaled_by = None   # read again below, scaled or not
+            self.guard.plain_prior = 1.0 / self._base.plain
+        self._rescale()
+
+    def verified(self, n_rows: int, seconds: float) -> None:
+        """A full-depth target batch of ``n_rows`` (1: a plain step) took ``seconds`` at
+        this context: what the scale learns from."""
+        if self.verify_scale is not None:
+            self.verify_scale.observe(self._base, n_rows, seconds)
 
 
 class _TokenRule:
