@@ -466,6 +466,10 @@ def test_verification_learned_dearer_than_the_table_is_priced_so():
     one = cost.VerifyScale()
     one.observe(c, 3, 100.0 * c.verify(3))      # one burst: clipped, and shrunk by the prior
     assert one.factor(3) < 1.1
+    plain_only = cost.VerifyScale()             # a policy that never drafted: no batch seen
+    for _ in range(40):
+        plain_only.observe(c, 1, 1.3 * c.plain)
+    assert plain_only.factor(3) == pytest.approx(1.0) and plain_only.apply(c) is c
 
 
 def test_scaled_costs_multiply_the_batches_and_keep_the_unit():

@@ -209,8 +209,8 @@ class VerifyScale:
     (short: up to MAX_VERIFY rows, long: more), each at the context it ran at, and scales the
     table's batches by exp(batch mean - plain mean): a machine slower all round (both
     alike) keeps its table, one whose batches grew dearer than its single tokens pays more for
-    them. Each mean is shrunk towards 0 as if ``prior`` observations had matched the table, and
-    each ratio clipped to [1/2, 2] (one step that met a neighbour's burst moves it little).
+    them. Each mean is shrunk towards the level of all the steps seen, plain and batches
+    alike, as if ``prior`` observations had run at it, and each ratio clipped to [1/2, 2] (one step that met a neighbour's burst moves it little).
     It belongs to the machine, not the prompt: kept with the loaded pair, and shared by the
     context drafter and the draft model's cost-aware policy (each prices its rounds with it
     and teaches it with the batches it verified)."""
@@ -235,13 +235,22 @@ class VerifyScale:
         self._sum[k] = self.keep * self._sum[k] + float(np.log(ratio))
         self._n[k] = self.keep * self._n[k] + 1.0
 
-    def _mean(self, kind: str) -> float:
-        return self._sum[kind] / (self._n[kind] + self.prior)
+    def _mean(self, kind: str, towards: float = 0.0) -> float:
+        return (self._sum[kind] + self.prior * towards) / (self._n[kind] + self.prior)
 
     def factor(self, n_rows: int) -> float:
         """What the table's batch of ``n_rows`` is multiplied by (1 for a plain step)."""
         k = self._kind(n_rows)
-        return 1.0 if k == "plain" else float(np.exp(self._mean(k) - self._mean("plain")))
+        if k == "plain":
+            return 1.0
+        # both means are shrunk towards the level of all the steps seen (the machine as
+        # fast or slow as they show, round after round alike): with plain steps alone seen,
+        # say by a policy that never drafted, batches keep the table's price in plain steps
+        # (shrunk towards 0 instead, a machine 30% slow in its plain steps priced its
+        # batches ~20% cheaper before it had verified one)
+        n = self._n["plain"] + self._n[k]
+        level = (self._sum["plain"] + self._sum[k]) / n if n > 0 else 0.0
+        return float(np.exp(self._mean(k, towards=level) - self._mean("plain", towards=level)))
 
     def factors(self) -> tuple[float, float]:
         """The factors of short and long batches, rounded to 0.1%: what ``apply`` uses."""
