@@ -453,3 +453,27 @@ def test_an_answers_first_free_draft_is_rated_as_often_as_it_was_accepted(tmp_pa
     # a bundle fitted before the scale was kept predicts with its nets alone
     old = CopyModel(model.nets, {k: v for k, v in model.meta.items() if k != "first_scale"})
     assert np.allclose(old.predict(X), nets, rtol=1e-12, atol=1e-15)
+
+
+def test_replay_bench_varies_the_drafters_settings_it_names():
+    """scripts/replay_bench.py --set NAME=V1,V2: one variant per value of a numeric setting
+    of the drafter, typed like the setting ('off' only for the copy prior); anything else is
+    refused with the setting it got."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        from replay_bench import label, variants
+    finally:
+        sys.path.pop(0)
+    got = variants(["FOLLOW_MIN=8,24", "follow_hits=0.7", "COPY_PRIOR=off,3"], ContextSource)
+    assert got == [("FOLLOW_MIN", 8), ("FOLLOW_MIN", 24), ("FOLLOW_HITS", 0.7),
+                   ("COPY_PRIOR", 1e12), ("COPY_PRIOR", 3.0)]
+    assert isinstance(got[0][1], int) and [label(*v) for v in got[2:4]] == [
+        "FOLLOW_HITS 0.7", "COPY_PRIOR off"]
+    for bad, says in [("FOLLOW_MIN=8.5", "whole numbers"), ("NOPE=1", "NOPE=1"),
+                      ("FOLLOW_MIN", "NAME=V1"), ("FOLLOW_HITS=high", "'high'"),
+                      ("BANDS=1", "BANDS=1"), ("FOLLOW_HITS=off", "'off'")]:
+        with pytest.raises(ValueError, match=says):
+            variants([bad], ContextSource)
