@@ -171,7 +171,9 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
             if n_gen >= max_tokens:
                 yield finish(step, pending + detok.flush(), "length")
                 return
-            cut = len(pending) - hold if stop else len(pending)
+            # never a negative cut: it would slice from the end, releasing the start of a
+            # stop string still being spelled out (pieces shorter than it, e.g. digits)
+            cut = max(len(pending) - hold, 0) if stop else len(pending)
             out, pending = pending[:cut], pending[cut:]
             yield replace(step, text=out)
     finally:
