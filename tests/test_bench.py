@@ -506,3 +506,38 @@ def test_humaneval_edit_prompts_and_scoring():
     broken = reply.replace("return", "return -1 +", 1)
     assert not passes(p.task, broken)
     assert not passes(p.task, "I would rename the variables.")
+
+
+@pytest.mark.model
+def test_peers_decode_as_many_tokens_as_plain_where_a_stop_string_ends_the_answer(
+        small_llm, tmp_path):
+    """The llama.cpp tools cannot stop at a stop string (HumanEval's): a peer decodes as
+    many tokens as our plain greedy answer took (found untimed before anything is timed),
+    not on to the run's limit; its text is cut at the stop string like ours. Prompts
+    without stop strings keep the run's limit."""
+    from specee_cpp.bench.peers import LlamaCppPeers, tools_dir
+    from specee_cpp.bench.prompts import BenchPrompt
+    from specee_cpp.bench.runner import Runner
+
+    text = "Count from one to twenty in words, separated by commas."
+    small_llm.reset()
+    free = small_llm.generate(text, max_tokens=32)
+    assert free.stats.n_gen == 32
+    # a stop string that first occurs a third of the way in or later
+    at = next(i for i in range(len(free.text) // 3, len(free.text) - 4)
+              if free.text.find(free.text[i:i + 4]) == i)
+    stop = free.text[at:at + 4]
+    stopped = BenchPrompt(id="s", category="qa", text=text, stop=(stop,))
+    open_ended = BenchPrompt(id="o", category="qa", text=text)
+    runner = Runner(small_llm, configs.select("lcpp-plain"), 32,
+                    LlamaCppPeers(small_llm.model.path, None, small_llm.config,
+                                  tools=tools_dir()))
+    seen = []
+    recs = {(r.prompt_id, r.config): r for r in runner.run(
+        [stopped, open_ended], tmp_path / "r.jsonl",
+        progress=lambda d, t, desc: seen.append(desc), warmup=False)}
+    plain, peer = recs[("s", "plain")], recs[("s", "lcpp-plain")]
+    assert plain.n_gen < 24 and runner.peer_limits == {"s": plain.n_gen}
+    assert peer.n_gen == plain.n_gen and peer.text == plain.text
+    assert recs[("o", "lcpp-plain")].n_gen >= 32 and "o" not in runner.peer_limits
+    assert seen.index("sizing the peers' answers to s") < seen.index("plain on s")

@@ -82,6 +82,7 @@ class Runner:
         # resumed run and every configuration see the same conversation
         self.answers: dict[str, str] = {}
         self.answers_path: Path | None = None
+        self.peer_limits: dict[str, int] = {}   # see peer_limit
         for c in configs:
             if c.needs_draft and llm.draft_path is None:
                 raise SpeceeError(f"configuration {c.name} needs a draft model (--draft)")
@@ -114,6 +115,22 @@ class Runner:
         messages.append({"role": "user", "content": p.text})
         return messages
 
+    def peer_limit(self, p: BenchPrompt) -> int:
+        """The most tokens a peer decodes for ``p``: the run's limit, except where the
+        prompt ends at a stop string (HumanEval), which the llama.cpp tools cannot apply:
+        they would decode on to the limit (all 128 tokens where ours stop after 10-91, each
+        at a longer context, its text cut afterwards). There a peer decodes as many as our
+        plain greedy answer did, found once, untimed (the same answer every lossless
+        configuration gives)."""
+        if not p.stop:
+            return self.max_tokens
+        if p.id not in self.peer_limits:
+            self.llm.reset()
+            res = self.llm.generate(self.conversation(p), chat=p.chat, stop=p.stop,
+                                    max_tokens=self.max_tokens, mode="plain")
+            self.peer_limits[p.id] = max(1, res.stats.n_gen)
+        return self.peer_limits[p.id]
+
     def measure(self, c: BenchConfig, p: BenchPrompt) -> dict:
         """Run configuration ``c`` on prompt ``p`` from an empty cache: a record's fields
         (see record.Record) but its prompt's and the machine's."""
@@ -144,10 +161,11 @@ class Runner:
         if c.kind == "pld":
             if self._pld is None:
                 self._pld = PromptLookupPeer(llm.model.path, llm.config, self.pld_ctx)
-            run = self._pld.run(tokens, self.max_tokens)
+            run = self._pld.run(tokens, self.peer_limit(p))
         else:
             text = llm.prompt_text(prompt) if p.chat else p.text
-            run = self.peers.run(c, text, len(tokens), self.max_tokens)
+            # the tools emit one token past their -n (report.clipped)
+            run = self.peers.run(c, text, len(tokens), max(1, self.peer_limit(p) - 1))
         return peer_record(run, p)
 
     def run(self, prompts: list[BenchPrompt], out: Path, progress: Progress | None = None,
@@ -169,6 +187,11 @@ class Runner:
             if progress:   # earlier turns answered before anything is timed
                 progress(total - len(todo), total, f"answering the earlier turns of {p.id}")
             self.conversation(p)
+        peers = {p.id for _, p, c in todo if c.kind != "ours"}
+        for p in (q for q in pending if q.stop and q.id in peers):
+            if progress:   # so is the length of the peers' answers (peer_limit)
+                progress(total - len(todo), total, f"sizing the peers' answers to {p.id}")
+            self.peer_limit(p)
         longest = max((len(self.llm.prompt_tokens(self.conversation(p), chat=p.chat))
                        for p in pending), default=0)
         self.pld_ctx = -(-(longest + self.max_tokens + 32) // 256) * 256
