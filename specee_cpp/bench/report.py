@@ -252,9 +252,10 @@ def best_lines(cfgs: dict) -> str:
 
 def length_note(cfgs: dict, tolerance: float = 0.1) -> str:
     """A sentence where configurations generated other amounts of text than plain (more than
-    ``tolerance`` apart): the llama.cpp tools run without the prompts' stop strings, to the
-    token limit (HumanEval: 2389 tokens for 24 tasks against our 1106), so their tok/s is
-    over other text and the fair reading is each side against its own plain."""
+    ``tolerance`` apart), so that their tok/s is over other text and the fair reading is
+    each side against its own plain: a lossy mode's other answers, or peers that ran to the
+    token limit past a stop string they cannot apply (HumanEval: 2389 tokens for 24 tasks
+    against our 1106, in runs before peers were sized to our answers, Runner.peer_limit)."""
     if "plain" not in cfgs or not cfgs["plain"].get("n_gen"):
         return ""
     base = cfgs["plain"]["n_gen"]
@@ -263,8 +264,7 @@ def length_note(cfgs: dict, tolerance: float = 0.1) -> str:
         return ""
     return (f" Tokens generated: `plain` {base}, "
             + ", ".join(f"`{n}` {cfgs[n]['n_gen']}" for n in off)
-            + " (the llama.cpp tools run without the prompts' stop strings, to the token "
-              "limit): their tok/s is over other text; compare each with its own plain.")
+            + ": their tok/s is over other text; compare each with its own plain.")
 
 
 def write_json(path: Path, command: str, settings: dict, summary: dict,
