@@ -706,3 +706,32 @@ def test_the_loop_tells_the_policy_what_its_batches_cost(pair):
         else:
             assert n_rows == 1 and seconds == r.timings["decode"]
     assert {n for n, _ in pol.told} == {1, 3}
+
+
+def test_the_model_policy_shares_the_pairs_scale_unless_told_not_to(pair, model, tmp_path):
+    """draft_policy gives auto/stop the pair's VerifyScale (the context drafter's, one per
+    pair and table); ``model_scale=False`` (bench spec-auto-table) keeps the table as
+    measured, and costs given with use_cost_model are never scaled."""
+    from specee_cpp.engine import modes
+    from specee_cpp.spec.mode import SpecOptions, draft_policy, use_cost_model, verify_scale
+
+    model.save(tmp_path / "ctl.npz")
+    ctl = tmp_path / "ctl.npz"
+    pair.remember(("spec", "costs"), GPU)   # as if measured here
+    try:
+        scale = verify_scale(pair, GPU)
+        assert scale is not None
+        assert draft_policy(pair, SpecOptions(gamma="auto", controller=ctl)).verify_scale \
+            is scale
+        assert draft_policy(pair, SpecOptions(gamma="stop", controller=ctl)).verify_scale \
+            is scale
+        table = SpecOptions(gamma="auto", controller=ctl, model_scale=False)
+        assert draft_policy(pair, table).verify_scale is None
+        assert "priced by the table" in modes.get("spec").describe(table)
+        use_cost_model(pair, GPU)
+        assert verify_scale(pair, GPU) is None
+        assert draft_policy(pair, SpecOptions(gamma="auto", controller=ctl)).verify_scale \
+            is None
+    finally:
+        pair.forget(("spec", "costs"))
+        pair.forget(("spec", "costs_given"))

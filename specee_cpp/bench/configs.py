@@ -66,6 +66,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # same-run A/B of that correction
     BenchConfig("spec-auto-raw", "ours", True, mode="spec",
                 options=SpecOptions(gamma="auto", correction=False), needs_draft=True),
+    # auto with the draft model's rounds priced by the cost table as measured, not by what
+    # batches are seen to cost (cost.VerifyScale): the same-run A/B of that scale
+    BenchConfig("spec-auto-table", "ours", True, mode="spec",
+                options=SpecOptions(gamma="auto", model_scale=False), needs_draft=True),
     # The defaults (ee-draft, spec-ee) run as a user gets them. Every other early-exit
     # configuration is measured with --unsafe-exits: a benchmark reports their quality, and
     # a provider/rule/target whose exits were measured above the target end to end

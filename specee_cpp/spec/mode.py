@@ -41,6 +41,10 @@ class SpecOptions:
     # auto: scale the round model's predicted acceptance by what its rounds reached
     # (spec/acceptance.Correction); off only to measure what it does (bench spec-auto-raw)
     correction: bool = True
+    # auto/stop: price the draft model's verification by what batches are seen to cost here
+    # (cost.VerifyScale, shared with the context drafter); off only to measure what it does
+    # (bench spec-auto-table: the table as measured, as before session 34)
+    model_scale: bool = True
 
     def __post_init__(self) -> None:
         g = self.gamma
@@ -230,7 +234,8 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     if policy.correction is not None:
         policy.correction = llm.cached(("spec", "correction", kind, opts),
                                        lambda: policy.correction) if opts.correction else None
-    scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, _ReadsCosts) else None
+    scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, _ReadsCosts) \
+        and opts.model_scale else None
     if scale is not None:   # the context drafter's (Spec.start): one per pair and table
         policy.use_scale(scale)
     return policy
@@ -337,7 +342,10 @@ class Spec(Mode):
                 + ("" if opts.context or opts.gamma not in NEEDS_COSTS else " --no-context")
                 + (" --history" if opts.history else "")
                 + ("" if opts.correction or opts.gamma != "auto"
-                   else " (round model uncorrected, a bench-only option)"))
+                   else " (round model uncorrected, a bench-only option)")
+                + ("" if opts.model_scale or opts.gamma not in NEEDS_COSTS
+                   else " (model drafts priced by the table as measured, a bench-only "
+                        "option)"))
 
 
 register(Spec())
