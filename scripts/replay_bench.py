@@ -35,6 +35,8 @@ import json
 import math
 import sys
 
+OFF = 1e12   # COPY_PRIOR 'off': a prior no answer outweighs, the correction stays 1
+
 
 def variants(sets: list[str], source_cls) -> list[tuple[str, object]]:
     """(attribute, value) of every variant ``--set NAME=V1,V2`` asks for, each value of the
@@ -52,7 +54,7 @@ def variants(sets: list[str], source_cls) -> list[tuple[str, object]]:
                              f"{', '.join(known)}; got {item!r}")
         for v in (x.strip() for x in values.split(",") if x.strip()):
             if name == "COPY_PRIOR" and v == "off":
-                out.append((name, 1e12))
+                out.append((name, OFF))
                 continue
             try:
                 x = float(v)
@@ -67,7 +69,7 @@ def variants(sets: list[str], source_cls) -> list[tuple[str, object]]:
 
 
 def label(name: str, value: object) -> str:
-    return f"{name} off" if name == "COPY_PRIOR" and value == 1e12 else f"{name} {value:g}"
+    return f"{name} off" if name == "COPY_PRIOR" and value == OFF else f"{name} {value:g}"
 
 
 def main() -> int:

@@ -187,8 +187,8 @@ class Runner:
             if progress:   # earlier turns answered before anything is timed
                 progress(total - len(todo), total, f"answering the earlier turns of {p.id}")
             self.conversation(p)
-        peers = {p.id for _, p, c in todo if c.kind != "ours"}
-        for p in (q for q in pending if q.stop and q.id in peers):
+        with_peers = {p.id for _, p, c in todo if c.kind != "ours"}
+        for p in (q for q in pending if q.stop and q.id in with_peers):
             if progress:   # so is the length of the peers' answers (peer_limit)
                 progress(total - len(todo), total, f"sizing the peers' answers to {p.id}")
             self.peer_limit(p)

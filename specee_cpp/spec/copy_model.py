@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import SpeceeError
 from ..mlp import forward_mean, load_npz, save_npz, stack, train_mlp
 from ..paths import BUNDLE_DIR
-from .cost import as_table
+from .cost import VerifyScale, as_table
 from .decode import accept_greedy, draft_room
 from .policies import context_guard
 from .suffix import ContextSource, best_prefix
@@ -325,8 +325,6 @@ def replay(test: list[dict], model: CopyModel, costs, is_eog=None,
     one more row over every stream; ``timing`` as in ``simulate``; ``as_run``: the fitted
     model's and the guess's drafters each with a guard per answer and a verification scale
     over the streams in order (``simulate``'s ``as_run``)."""
-    from .cost import VerifyScale
-
     scales = {"fitted": VerifyScale(), "guess": VerifyScale()} if as_run else {}
     per: dict[str, dict] = {}
     for s in test:

@@ -210,7 +210,8 @@ class VerifyScale:
     table's batches by exp(batch mean - plain mean): a machine slower all round (both
     alike) keeps its table, one whose batches grew dearer than its single tokens pays more for
     them. Each mean is shrunk towards the level of all the steps seen, plain and batches
-    alike, as if ``prior`` observations had run at it, and each ratio clipped to [1/2, 2] (one step that met a neighbour's burst moves it little).
+    alike, as if ``prior`` observations had run at it, and each ratio clipped to [1/2, 2]
+    (one step that met a neighbour's burst moves it little).
     It belongs to the machine, not the prompt: kept with the loaded pair, and shared by the
     context drafter and the draft model's cost-aware policy (each prices its rounds with it
     and teaches it with the batches it verified)."""
