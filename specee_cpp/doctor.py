@@ -9,9 +9,9 @@ from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
 from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
-                         Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_DEFAULT,
-                         REPACK_FUSED_ENV, amx_fused_override, amx_rows_override,
-                         amx_switched_off, q6k_fused_override, repack_fused_override)
+                         Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_ENV,
+                         amx_fused_override, amx_rows_override, amx_switched_off,
+                         q6k_fused_override, repack_fused_default, repack_fused_override)
 
 
 def cpu_has_amx() -> bool:
@@ -48,14 +48,16 @@ def repack_state(system_info: str) -> str:
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
 
-    def rows(override: int | None, default: int, patch: str, env: str) -> str:
+    def rows(override: int | None, default: int | None, patch: str, env: str) -> str:
         limit = default if override is None else override
-        how = (f"batches of 2-{limit} rows several rows at once, patch {patch}" if limit >= 2
-               else "upstream's kernels (none several rows at once)")
+        how = ("upstream's kernels (none several rows at once)" if limit is not None and limit < 2
+               else f"batches of {'2-%d rows' % limit if limit else '2 rows or more'} several "
+                    f"rows at once, patch {patch}")
         return f"{how} ({env}=0: upstream)"
 
     # the switch is named only where its kernel is in the build
-    q4k = (rows(repack_fused_override(), REPACK_FUSED_DEFAULT, "0011", REPACK_FUSED_ENV)
+    q4k_default = repack_fused_default("AVX512 = 1" in system_info)
+    q4k = (rows(repack_fused_override(), q4k_default, "0011", REPACK_FUSED_ENV)
            if "REPACK = 1" in system_info else "not repacked in this build")
     q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, "0012", Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "

@@ -28,10 +28,16 @@ AMX_FUSED_ENV = "GGML_AMX_VNNI_FUSED_ROWS"
 
 
 # patch 0011: repacked Q4_K weights (x86 with AVX2, weights not in the AMX buffer) take
-# batches of 2 up to this many rows several rows at once (unset: 15; 0 or 1: upstream's
-# 4-row gemm and one-row gemv)
+# batches of 2 up to this many rows several rows at once (unset: 15 in an AVX-512 build,
+# whose upstream gemm takes 16 rows at a time, and every batch with AVX2 alone; 0 or 1:
+# upstream's gemm and one-row gemv)
 REPACK_FUSED_ENV = "GGML_REPACK_FUSED_ROWS"
-REPACK_FUSED_DEFAULT = 15
+REPACK_FUSED_AVX512 = 15
+
+
+def repack_fused_default(avx512: bool) -> int | None:
+    """Patch 0011's row limit when its variable is unset: None is every batch."""
+    return REPACK_FUSED_AVX512 if avx512 else None
 
 
 # patch 0012: Q6_K weights (not repacked on x86) take batches of 2 up to this many rows one
@@ -66,8 +72,8 @@ def amx_fused_override() -> int | None:
 
 def repack_fused_override() -> int | None:
     """Patch 0011's row limit where this process's environment sets one other than its
-    default (else None), read as the patch reads it."""
-    return _leading_int(REPACK_FUSED_ENV, REPACK_FUSED_DEFAULT)
+    default for the loaded build (else None), read as the patch reads it."""
+    return _leading_int(REPACK_FUSED_ENV, repack_fused_default("AVX512" in _library()[0].split()))
 
 
 def q6k_fused_override() -> int | None:
@@ -118,7 +124,7 @@ def machine(n_threads: int) -> dict:
             "amx": "absent" if "AMX_INT8" not in feats else
             ("off" if amx_switched_off() else _amx_on()),
             "pages": thp if huge_pages_wanted() else f"{thp}, off",
-            # a row limit set by hand moves the price of verifying 2-15 tokens (docs/AMX.md,
+            # a row limit set by hand moves the price of verifying a few tokens (docs/AMX.md,
             # "x86 without AMX"); only then is it part of the machine, so that tables
             # measured before the variables existed keep their key
             **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {})}

@@ -57,8 +57,8 @@ def close(a: np.ndarray, b: np.ndarray, what: str) -> None:
         raise AssertionError(f"{what}: max |diff| {err:.4g} > {REL_TOL} x std {spread:.4g}")
 
 
-def ctx_of(model: Model) -> Context:
-    return Context(model, n_ctx=128, n_batch=16, n_threads=2)
+def ctx_of(model: Model, n_batch: int = 16) -> Context:
+    return Context(model, n_ctx=128, n_batch=n_batch, n_threads=2)
 
 
 def all_logits(ctx: Context, n: int) -> np.ndarray:
@@ -121,6 +121,7 @@ def real_kernels(directory: str, quant: str) -> None:
 
 
 BATCH_ROWS = (2, 3, 4, 5, 9, 16)
+MAX_BATCH_ROWS = 40
 
 
 def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "all") -> None:
@@ -128,17 +129,18 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     alone, bit for bit, on AMX: row by row with the one-row kernel (patch 0009), several rows
     at once (patch 0010: Q4_K/Q6_K, groups of up to 8 rows, so 9 = 5 + 4 and 16 = 8 + 8) or
     the tiles (above 4 rows of the other types); and on x86's repacked Q4_K (patch 0011):
-    batches of up to 15 rows at once, in groups of up to 4 (9 = 4 + 3 + 2), else the rows
-    the 4-row gemm leaves; on x86's Q6_K (patch 0012): each weight row against 2-16 rows at
-    once (instead of a dot per pair or, from 8 rows, llama.cpp's tiled matmul). Prints the
-    largest |difference| of each batch size's rows (rows: comma-separated sizes, default
-    BATCH_ROWS; part "tail": only the rows after the last whole group of 4, those the gemm
-    leaves)."""
+    batches of up to 15 rows (AVX-512) or any number (AVX2 alone) at once, in groups of up
+    to 4 (9 = 4 + 3 + 2), else the rows the gemm leaves; on x86's Q6_K (patch 0012): each
+    weight row against 2-16 rows at once (instead of a dot per pair or, from 8 rows,
+    llama.cpp's tiled matmul). Prints the largest |difference| of each batch size's rows
+    (rows: comma-separated sizes up to MAX_BATCH_ROWS, default BATCH_ROWS; part "tail": only
+    the rows after the last whole group of 4, those the gemm leaves)."""
     sizes = [int(n) for n in rows.split(",")] if rows else list(BATCH_ROWS)
     path = make_model(Path(directory), quant)
     model = Model(path)
-    b = Batch(16)
-    nxt = list(range(304, 320))
+    b = Batch(MAX_BATCH_ROWS)
+    # 304-319 and again: a token may repeat at another position
+    nxt = [304 + i % 16 for i in range(max(sizes))]
     alone = ctx_of(model)
     b.set(PROMPT, 0)
     alone.decode(b)
@@ -149,7 +151,7 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
         singles.append(alone.logits(-1))
     diffs = []
     for n in sizes:
-        batched = ctx_of(model)
+        batched = ctx_of(model, n_batch=MAX_BATCH_ROWS)   # one decode of n rows
         b.set(PROMPT, 0)
         batched.decode(b)
         b.set(nxt[:n], len(PROMPT), output_last_only=False)

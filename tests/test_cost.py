@@ -331,7 +331,7 @@ def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
 
 def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     # patch 0011's GGML_REPACK_FUSED_ROWS and 0012's GGML_Q6_K_FUSED_ROWS move the price of
-    # verifying 2-15 tokens on x86 without AMX: a limit other than the default is another
+    # verifying a few tokens on x86 without AMX: a limit other than the default is another
     # machine, read as the C reads it
     from specee_cpp.doctor import repack_state
 
@@ -340,9 +340,20 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     monkeypatch.delenv(provenance.Q6K_FUSED_ENV, raising=False)
     base = provenance.machine(2)
     assert "rows" not in base
-    assert "Q4_K weights: batches of 2-15 rows" in repack_state(info)
+    # Q4_K's default is every batch with AVX2 alone, 15 rows where AVX-512's gemm takes 16
+    assert "Q4_K weights: batches of 2 rows or more" in repack_state(info)
+    assert "Q4_K weights: batches of 2-15 rows" in repack_state("AVX2 = 1 | AVX512 = 1 | REPACK = 1")
     assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
+    avx512 = "AVX512" in provenance._library()[0].split()
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
+    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "16")
+    assert (provenance.machine(2) == base) == avx512
+    monkeypatch.setattr(provenance, "_library", lambda: ("AVX2 AVX512", "b"))
+    assert provenance.repack_fused_override() is None
+    monkeypatch.setattr(provenance, "_library", lambda: ("AVX2", "b"))
+    assert provenance.repack_fused_override() == 15
+    monkeypatch.undo()
+    monkeypatch.delenv(provenance.REPACK_FUSED_ENV, raising=False)
     monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "16")
     assert provenance.machine(2) == base
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "0")
