@@ -342,7 +342,8 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "rows" not in base
     # Q4_K's default is every batch with AVX2 alone, 15 rows where AVX-512's gemm takes 16
     assert "Q4_K weights: batches of 2 rows or more" in repack_state(info)
-    assert "Q4_K weights: batches of 2-15 rows" in repack_state("AVX2 = 1 | AVX512 = 1 | REPACK = 1")
+    avx512_info = "AVX2 = 1 | AVX512 = 1 | REPACK = 1"
+    assert "Q4_K weights: batches of 2-15 rows" in repack_state(avx512_info)
     assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
     avx512 = "AVX512" in provenance._library()[0].split()
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")

@@ -74,7 +74,8 @@ def test_small_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch)
     monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
     monkeypatch.delenv("GGML_REPACK_FUSED_ROWS", raising=False)
     sizes = "2,3,4,5,9,15" + ("" if "AVX512 = 1" in library_info()["system_info"] else ",16,33")
-    assert child("small_batch_rows", str(kdir), "Q4_K", sizes) == " ".join(["0"] * len(sizes.split(",")))
+    zeros = " ".join(["0"] * len(sizes.split(",")))
+    assert child("small_batch_rows", str(kdir), "Q4_K", sizes) == zeros
     # a limit of 3: batches of 4 and more take the gemm and the rows it leaves go together;
     # those rows attend to the gemm's rows, so they differ from one-at-a-time decodes as
     # upstream's do, but by exactly as much as upstream's (its gemv row by row, limit 0)
