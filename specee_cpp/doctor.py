@@ -49,10 +49,12 @@ def repack_state(system_info: str) -> str:
         return "not used (no x86 AVX2 kernels in this build)"
 
     def rows(override: int | None, default: int | None, patch: str, env: str) -> str:
-        limit = default if override is None else override
-        how = ("upstream's kernels (none several rows at once)" if limit is not None and limit < 2
-               else f"batches of {'2-%d rows' % limit if limit else '2 rows or more'} several "
-                    f"rows at once, patch {patch}")
+        limit = default if override is None else override   # None: no limit
+        if limit is not None and limit < 2:
+            how = "upstream's kernels (none several rows at once)"
+        else:
+            span = "2 rows or more" if limit is None else f"2-{limit} rows"
+            how = f"batches of {span} several rows at once, patch {patch}"
         return f"{how} ({env}=0: upstream)"
 
     # the switch is named only where its kernel is in the build

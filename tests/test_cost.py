@@ -347,14 +347,13 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
     avx512 = "AVX512" in provenance._library()[0].split()
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
-    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "16")
     assert (provenance.machine(2) == base) == avx512
-    monkeypatch.setattr(provenance, "_library", lambda: ("AVX2 AVX512", "b"))
-    assert provenance.repack_fused_override() is None
-    monkeypatch.setattr(provenance, "_library", lambda: ("AVX2", "b"))
-    assert provenance.repack_fused_override() == 15
-    monkeypatch.undo()
-    monkeypatch.delenv(provenance.REPACK_FUSED_ENV, raising=False)
+    with monkeypatch.context() as m:
+        m.setattr(provenance, "_library", lambda: ("AVX2 AVX512", "b"))
+        assert provenance.repack_fused_override() is None
+        m.setattr(provenance, "_library", lambda: ("AVX2", "b"))
+        assert provenance.repack_fused_override() == 15
+    monkeypatch.delenv(provenance.REPACK_FUSED_ENV)
     monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "16")
     assert provenance.machine(2) == base
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "0")
