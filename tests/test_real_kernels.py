@@ -95,3 +95,79 @@ def test_small_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch):
     monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
     monkeypatch.delenv("GGML_Q6_K_FUSED_ROWS", raising=False)
     assert child("small_batch_rows", str(kdir), "Q6_K", "2,3,5,8,9,16") == "0 0 0 0 0 0"
+
+
+def ggml_lib(name: str):
+    """The installed package's ggml-base / ggml-cpu shared library (already loaded by
+    llama_cpp), or None."""
+    import ctypes
+
+    import llama_cpp
+
+    found = sorted(p for p in (Path(llama_cpp.__file__).parent / "lib").glob(f"*{name}*")
+                   if p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name)
+    return ctypes.CDLL(str(found[0])) if found else None
+
+
+def q8_k_inputs() -> "np.ndarray":
+    """Rows of 64 blocks with what the reference's scalar loop decides on: ties of |x| with
+    both signs (which one is the block's max), rounding ties, all-zero blocks (bsums left as
+    they were), NaNs with payloads (skipped by amax, truncated to int8), infinities, tiny and
+    huge values."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    rows = []
+    for kind in range(10):
+        for _ in range(20):
+            x = rng.uniform(-1, 1, 256 * 64).astype(np.float32)
+            if kind == 1:
+                x *= np.float32(1e-30)
+            elif kind == 2:
+                x *= np.float32(1e6)
+            elif kind == 3:   # the block's largest |x| several times, with either sign
+                x *= np.float32(0.5)
+                tie = rng.random(x.size) < 0.05
+                x[tie] = np.where(rng.random(tie.sum()) < 0.5, -0.75, 0.75)
+            elif kind == 4:
+                x[rng.random(x.size) < 0.3] = 0
+            elif kind == 5:
+                x.reshape(64, 256)[::3] = np.where(np.arange(256) % 2, 0.0, -0.0)
+            elif kind == 6:
+                bits = (np.uint32(0x7F800001) | (rng.integers(0, 2**32, x.size, dtype=np.uint32)
+                                                 & np.uint32(0x807FFFFF)))
+                nan = rng.random(x.size) < 0.02
+                x[nan] = bits[nan].view(np.float32)
+            elif kind == 7:
+                inf = rng.random(x.size) < 0.01
+                x[inf] = np.where(rng.random(inf.sum()) < 0.5, np.inf, -np.inf)
+            elif kind == 8:
+                x = (np.trunc(x * 20) / 8).astype(np.float32)
+            rows.append(x)
+    return np.stack(rows)
+
+
+def test_q8_k_activations_equal_the_reference_bit_for_bit():
+    """Patch 0014: x86's quantize_row_q8_K (AVX2; every K-quant matmul's activations) writes
+    the same bytes as ggml's scalar quantize_row_q8_K_ref, d, quants and bsums, on inputs
+    where the reference's order of decisions matters (an FMA-contracted product or a
+    saturating int8 store differs here)."""
+    import ctypes
+
+    import numpy as np
+
+    base, cpu = ggml_lib("ggml-base"), ggml_lib("ggml-cpu")
+    if base is None or cpu is None:
+        pytest.skip("no ggml-base/ggml-cpu library in the installed package")
+    ref, fast = base.quantize_row_q8_K_ref, cpu.quantize_row_q8_K
+    for f in (ref, fast):
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        f.restype = None
+    block = 4 + 256 + 2 * 16
+    for x in q8_k_inputs():
+        want = np.full(block * 64, 0x5A, np.uint8)
+        got = want.copy()
+        ref(x.ctypes.data, want.ctypes.data, x.size)
+        fast(x.ctypes.data, got.ctypes.data, x.size)
+        bad = np.flatnonzero((want != got).reshape(64, block).any(axis=1))
+        assert bad.size == 0, f"blocks {bad[:5].tolist()} differ from quantize_row_q8_K_ref"
