@@ -112,13 +112,14 @@ def ggml_lib(name: str):
 def q8_k_inputs() -> "np.ndarray":
     """Rows of 64 blocks with what the reference's scalar loop decides on: ties of |x| with
     both signs (which one is the block's max), rounding ties, all-zero blocks (bsums left as
-    they were), NaNs with payloads (skipped by amax, truncated to int8), infinities, tiny and
-    huge values."""
+    they were), NaNs with payloads (skipped by amax), infinities, tiny and huge values, and
+    blocks whose largest |x| is under ~4e-37, where -127/max overflows to infinity and the
+    products' ints (-2^22) reach the int8 store, which truncates them to 0."""
     import numpy as np
 
     rng = np.random.default_rng(7)
     rows = []
-    for kind in range(10):
+    for kind in range(11):
         for _ in range(20):
             x = rng.uniform(-1, 1, 256 * 64).astype(np.float32)
             if kind == 1:
@@ -143,6 +144,8 @@ def q8_k_inputs() -> "np.ndarray":
                 x[inf] = np.where(rng.random(inf.sum()) < 0.5, np.inf, -np.inf)
             elif kind == 8:
                 x = (np.trunc(x * 20) / 8).astype(np.float32)
+            elif kind == 9:
+                x *= np.float32(1e-38)
             rows.append(x)
     return np.stack(rows)
 
@@ -151,7 +154,7 @@ def test_q8_k_activations_equal_the_reference_bit_for_bit():
     """Patch 0014: x86's quantize_row_q8_K (AVX2; every K-quant matmul's activations) writes
     the same bytes as ggml's scalar quantize_row_q8_K_ref, d, quants and bsums, on inputs
     where the reference's order of decisions matters (an FMA-contracted product or a
-    saturating int8 store differs here)."""
+    saturating int8 store differs here: both checked against builds that had them)."""
     import ctypes
 
     import numpy as np
