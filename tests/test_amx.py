@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from installed import installed_lib
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -86,15 +87,8 @@ def test_check_reads_a_miscompiled_sequence():
     assert check.check_disassembly(fixed) == (1, [])
 
 
-def installed_cpu_lib() -> Path | None:
-    import llama_cpp
-
-    libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu*"))
-    return libs[0] if libs else None
-
-
 def test_installed_library_passes_the_codegen_check():
-    lib = installed_cpu_lib()
+    lib = installed_lib("ggml-cpu")
     if lib is None or shutil.which("objdump") is None:
         pytest.skip("no libggml-cpu in the installed package or no objdump")
     ok, msg = check.check_file(lib)

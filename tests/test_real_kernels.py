@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from installed import installed_lib
 
 HERE = Path(__file__).parent
 QUANTS = ["Q4_0", "Q4_K", "Q6_K", "IQ4_NL"]
@@ -97,18 +98,6 @@ def test_small_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch):
     assert child("small_batch_rows", str(kdir), "Q6_K", "2,3,5,8,9,16") == "0 0 0 0 0 0"
 
 
-def ggml_lib(name: str):
-    """The installed package's ggml-base / ggml-cpu shared library (already loaded by
-    llama_cpp), or None."""
-    import ctypes
-
-    import llama_cpp
-
-    found = sorted(p for p in (Path(llama_cpp.__file__).parent / "lib").glob(f"*{name}*")
-                   if p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name)
-    return ctypes.CDLL(str(found[0])) if found else None
-
-
 def q8_k_inputs() -> "np.ndarray":
     """Rows of 64 blocks with what the reference's scalar loop decides on: ties of |x| with
     both signs (which one is the block's max), rounding ties, all-zero blocks (bsums left as
@@ -159,10 +148,11 @@ def test_q8_k_activations_equal_the_reference_bit_for_bit():
 
     import numpy as np
 
-    base, cpu = ggml_lib("ggml-base"), ggml_lib("ggml-cpu")
+    base, cpu = installed_lib("ggml-base"), installed_lib("ggml-cpu")
     if base is None or cpu is None:
         pytest.skip("no ggml-base/ggml-cpu library in the installed package")
-    ref, fast = base.quantize_row_q8_K_ref, cpu.quantize_row_q8_K
+    # already loaded by llama_cpp: the same handles
+    ref, fast = ctypes.CDLL(str(base)).quantize_row_q8_K_ref, ctypes.CDLL(str(cpu)).quantize_row_q8_K
     for f in (ref, fast):
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         f.restype = None
