@@ -9,7 +9,7 @@ from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
 from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
-                         Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_ENV,
+                         PREFETCH_ENV, Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_ENV,
                          amx_fused_override, amx_rows_override, amx_switched_off,
                          q6k_fused_override, repack_fused_default, repack_fused_override)
 
@@ -67,11 +67,23 @@ def repack_state(system_info: str) -> str:
     return f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}{amx}"
 
 
+def prefetch_state(system_info: str, distance: int | None) -> str:
+    """Whether the x86 matmul kernels ask for the weights ahead (patch 0015), and how far."""
+    if "AVX2 = 1" not in system_info:
+        return "not used (no x86 AVX2 kernels in this build)"
+    if distance is None:
+        return "not in this build (patch 0015 missing)"
+    if distance <= 0:
+        return f"off ({PREFETCH_ENV}=0); unset it to ask for the weights ahead again"
+    return (f"weights asked for {distance} bytes ahead of the block being read, patch 0015 "
+            f"({PREFETCH_ENV}=0: off)")
+
+
 def diagnose() -> tuple[list[tuple[str, str]], bool]:
     rows: list[tuple[str, str]] = []
     ok = True
     try:
-        from .bindings import library_info
+        from .bindings import cpu_prefetch_bytes, library_info
 
         info = library_info()
         rows += [
@@ -83,6 +95,7 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
             ("CPU features", info["system_info"]),
             ("AMX", amx_state(info["system_info"])),
             ("CPU repack", repack_state(info["system_info"])),
+            ("weight prefetch", prefetch_state(info["system_info"], cpu_prefetch_bytes())),
             ("huge pages", memory.describe()),
         ]
         from .probe import run_probe

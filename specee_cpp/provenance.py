@@ -47,6 +47,21 @@ Q6K_FUSED_ENV = "GGML_Q6_K_FUSED_ROWS"
 Q6K_FUSED_DEFAULT = 16
 
 
+# patch 0015: the x86 matmul kernels ask for the weights this many bytes ahead of the block
+# they read (unset: the library's default; 0 or less: off)
+PREFETCH_ENV = "GGML_CPU_PREFETCH"
+
+
+def prefetch_set() -> int | None:
+    """Patch 0015's distance where this process's environment sets one (else None), read as
+    the patch reads it (atoll: the leading number, anything else 0; 0 or less is off)."""
+    raw = os.environ.get(PREFETCH_ENV)
+    if raw is None:
+        return None
+    m = re.match(r"\s*[+-]?\d+", raw)
+    return max(int(m.group()), 0) if m else 0
+
+
 def amx_rows_override() -> int | None:
     """Patch 0009's row limit where this process's environment sets one other than its
     default (else None), read as the patch reads it (a value below 1 is ignored there)."""
@@ -127,7 +142,11 @@ def machine(n_threads: int) -> dict:
             # a row limit set by hand moves the price of verifying a few tokens (docs/AMX.md,
             # "x86 without AMX"); only then is it part of the machine, so that tables
             # measured before the variables existed keep their key
-            **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {})}
+            **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {}),
+            # the weights' prefetch set by hand moves a plain token by 8-19% (docs/AMX.md,
+            # "Weights asked for ahead"); recorded only then, as the row limits are
+            **({"prefetch": f"{PREFETCH_ENV}={pf}"} if (pf := prefetch_set()) is not None
+               else {})}
 
 
 def row_limits_set() -> list[str]:
@@ -155,4 +174,5 @@ def describe(m: dict | None) -> str:
     return (f"{m.get('cpu', '?')} ({m.get('features', '?')}), {m.get('threads', '?')} threads, "
             f"build {m.get('build', '?')}, AMX {m.get('amx', '?')}"
             + (f", huge pages {m['pages']}" if "pages" in m else "")
-            + (f", {m['rows']}" if "rows" in m else ""))
+            + (f", {m['rows']}" if "rows" in m else "")
+            + (f", {m['prefetch']}" if "prefetch" in m else ""))

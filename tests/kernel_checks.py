@@ -120,6 +120,26 @@ def real_kernels(directory: str, quant: str) -> None:
     print("ok")
 
 
+def prefetch_changes_nothing(directory: str, quant: str) -> None:
+    """Patch 0015: every array of run_pair (prompt batch, staged decode, exit, one-token
+    decodes) is the same bit for bit with the weights asked for ahead (the default) and with
+    that switched off in the loaded library: a prefetch only moves data."""
+    from specee_cpp.bindings import cpu_prefetch_bytes, set_cpu_prefetch_bytes
+
+    path = make_model(Path(directory), quant)
+    ahead = cpu_prefetch_bytes()
+    assert ahead is not None and ahead > 0, f"weight prefetch not on by default: {ahead}"
+    on = run_pair(path)
+    set_cpu_prefetch_bytes(0)
+    try:
+        off = run_pair(path)
+    finally:
+        set_cpu_prefetch_bytes(ahead)
+    for key in on:
+        assert np.array_equal(on[key], off[key]), f"{quant}: {key} differs with prefetch off"
+    print("ok")
+
+
 BATCH_ROWS = (2, 3, 4, 5, 9, 16)
 MAX_BATCH_ROWS = 40
 

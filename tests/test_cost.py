@@ -377,6 +377,28 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert repack_state("NEON = 1").startswith("not used")
 
 
+def test_a_weight_prefetch_set_by_hand_is_another_machine(monkeypatch):
+    # patch 0015's GGML_CPU_PREFETCH moves a plain token by 8-19% on the AVX2 EPYC: set by
+    # hand it is part of the machine (read as the C's atoll reads it), unset it is not
+    from specee_cpp.doctor import prefetch_state
+
+    monkeypatch.delenv(provenance.PREFETCH_ENV, raising=False)
+    base = provenance.machine(2)
+    assert "prefetch" not in base and provenance.prefetch_set() is None
+    monkeypatch.setenv(provenance.PREFETCH_ENV, "0")
+    off = provenance.machine(2)
+    assert off["prefetch"] == "GGML_CPU_PREFETCH=0"
+    assert provenance.machine_id(off) != provenance.machine_id(base)
+    assert "GGML_CPU_PREFETCH=0" in provenance.describe(off)
+    for raw, read in (("8192", 8192), (" 9000x", 9000), ("-64", 0), ("x", 0), ("+128", 128)):
+        monkeypatch.setenv(provenance.PREFETCH_ENV, raw)
+        assert provenance.prefetch_set() == read, raw
+    assert prefetch_state("AVX2 = 1", 4608).startswith("weights asked for 4608 bytes ahead")
+    assert prefetch_state("AVX2 = 1", 0).startswith("off")
+    assert "patch 0015 missing" in prefetch_state("AVX2 = 1", None)
+    assert prefetch_state("NEON = 1", 4608).startswith("not used")
+
+
 def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkeypatch):
     """The draft's flash attention is timed on and off before its costs (the cheaper one
     chosen, the costs measured with it), kept in the cached table, and applied to the draft's

@@ -4,6 +4,7 @@ decode, candidate probes on a repacked head, exit with filled KV, a fuzz of the 
 layer capture + stage, several sequences. Before patch 0004 the probes, the capture and the
 sequence cases ended the process in GGML_ASSERT."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,3 +165,54 @@ def test_q8_k_activations_equal_the_reference_bit_for_bit():
         fast(x.ctypes.data, got.ctypes.data, x.size)
         bad = np.flatnonzero((want != got).reshape(64, block).any(axis=1))
         assert bad.size == 0, f"blocks {bad[:5].tolist()} differ from quantize_row_q8_K_ref"
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_weight_prefetch_changes_no_result(kdir, quant):
+    assert child("prefetch_changes_nothing", str(kdir), quant) == "ok"
+
+
+def test_weight_prefetch_is_on_by_default_and_its_variable_sets_it():
+    """Patch 0015's distance as the loaded library has it after the CPU backend's init:
+    GGML_CPU_PREFETCH unset (on), 0 or below (off), or a number of bytes."""
+    code = "from specee_cpp.bindings import cpu_prefetch_bytes; print(cpu_prefetch_bytes())"
+
+    def read(value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_PREFETCH"}
+        if value is not None:
+            env["GGML_CPU_PREFETCH"] = value
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip()
+
+    assert int(read(None)) > 0
+    assert read("0") == "0"
+    assert read("-64") == "0"
+    assert read("8192") == "8192"
+
+
+def test_one_token_kernels_ask_for_the_weights_ahead():
+    """The x86 kernels of plain decoding (repacked Q4_K's gemv, the Q2_K-Q8_0 dots) carry
+    patch 0015's prefetch (Q4_0/IQ4_NL's repacked gemv is a static template, without a
+    symbol in the wheel: its results are checked above, its speed in docs/AMX.md)."""
+    import platform
+    import shutil
+
+    lib = installed_lib("ggml-cpu")
+    if lib is None or shutil.which("objdump") is None or \
+            platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("no x86 libggml-cpu in the installed package or no objdump")
+    from specee_cpp.bindings import library_info
+
+    if "AVX2 = 1" not in library_info()["system_info"]:
+        pytest.skip("a build without the AVX2 kernels")
+    for fn in ("ggml_gemv_q4_K_8x8_q8_K", "ggml_vec_dot_q2_K_q8_K", "ggml_vec_dot_q3_K_q8_K",
+               "ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q5_K_q8_K", "ggml_vec_dot_q6_K_q8_K",
+               "ggml_vec_dot_q4_0_q8_0", "ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q8_0_q8_0"):
+        r = subprocess.run(["objdump", "-d", f"--disassemble={fn}", str(lib)],
+                           capture_output=True, text=True, timeout=120)
+        # the wheel's symbols are versioned: <name@@Base>
+        assert r.returncode == 0 and re.search(rf"<{fn}(@@\w+)?>:", r.stdout), \
+            f"{fn} not found: {r.stderr[:300]}"
+        assert "prefetch" in r.stdout, f"{fn} asks for no weights ahead (patch 0015)"

@@ -5,6 +5,8 @@
 (:class:`Model`, :class:`Context`, :class:`Batch`) that turn status codes into exceptions.
 Nothing outside this package touches ctypes.
 """
-from .llama import Batch, Context, Model, library_info, quantize_file
+from .llama import (Batch, Context, Model, cpu_prefetch_bytes, library_info, quantize_file,
+                    set_cpu_prefetch_bytes)
 
-__all__ = ["Batch", "Context", "Model", "library_info", "quantize_file"]
+__all__ = ["Batch", "Context", "Model", "cpu_prefetch_bytes", "library_info", "quantize_file",
+           "set_cpu_prefetch_bytes"]

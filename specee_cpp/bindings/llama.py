@@ -61,6 +61,56 @@ def library_info() -> dict:
     }
 
 
+def _loaded_libraries(name: str) -> list[Path]:
+    """The files of this process's mapped libraries whose names contain ``name`` (Linux; []
+    elsewhere). The wheel ships libggml-cpu.so, .so.0 and .so.0.25.3 as three copies: opening
+    another name than the one libllama was linked with maps a second copy, whose variables
+    no decode reads."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            paths = {line.split(None, 5)[5].strip() for line in fh if line.count(" ") >= 5
+                     and name in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return []
+    return sorted(Path(p) for p in paths if p.startswith("/"))
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_prefetch_var():
+    """Patch 0015's distance in the loaded CPU backend (a ctypes int64), or None where the
+    library has no such setting (another build, or no CPU backend library beside libllama)."""
+    found = _loaded_libraries("ggml-cpu")
+    if not found:
+        here = Path(_ffi.lib_path).parent
+        found = sorted(p for p in here.glob("*ggml-cpu*")
+                       if p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name)
+    if not found:
+        return None
+    try:
+        lib = ctypes.CDLL(str(found[0]))   # the copy already loaded: the live setting
+        lib.ggml_cpu_init()                # reads GGML_CPU_PREFETCH once; later calls do nothing
+        return ctypes.c_int64.in_dll(lib, "ggml_cpu_prefetch_bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def cpu_prefetch_bytes() -> int | None:
+    """How far ahead (bytes) the x86 matmul kernels ask for the weights (patch 0015; 0: off,
+    as GGML_CPU_PREFETCH set it when the CPU backend started), or None without the patch."""
+    var = _cpu_prefetch_var()
+    return None if var is None else int(var.value)
+
+
+def set_cpu_prefetch_bytes(n: int) -> None:
+    """Set patch 0015's distance for the decodes that follow (0: off), as an in-process A/B
+    does (scripts/prefetch_ab.py); raises SpeceeError without the patch."""
+    var = _cpu_prefetch_var()
+    if var is None:
+        raise SpeceeError(f"the CPU backend beside {_ffi.lib_path} has no weight prefetch "
+                          f"setting (patch 0015)")
+    var.value = max(int(n), 0)
+
+
 class _Handle:
     """A native pointer held by a Model or Context. Once its owner is closed it raises
     instead of handing llama.cpp a NULL or freed pointer: a call through a closed model
