@@ -144,7 +144,7 @@ def machine(n_threads: int) -> dict:
             # measured before the variables existed keep their key
             **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {}),
             # the weights' prefetch set by hand moves a plain token by 8-19% (docs/AMX.md,
-            # "Weights asked for ahead"); recorded only then, as the row limits are
+            # "x86: weights asked for ahead"); recorded only then, as the row limits are
             **({"prefetch": f"{PREFETCH_ENV}={pf}"} if (pf := prefetch_set()) is not None
                else {})}
 
