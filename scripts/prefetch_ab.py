@@ -7,7 +7,7 @@ Loads each model once, fills a --context-token cache, then times batches of ever
 prints per size the median time and the median of the per-step ratios to the reference.
 Switching the setting between steps of the same process is what makes the ratio trustworthy
 on a shared 2-core VM, whose speed drifts by 10-20% between processes
-(docs/AMX.md, "Weights asked for ahead").
+(docs/AMX.md, "x86: weights asked for ahead").
 
     python scripts/prefetch_ab.py [MODEL ...] [--distances 0,4608] [--sizes 1,2,4,8,16]
         [--repeats 30] [--context 128]
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def main() -> int:
@@ -55,14 +54,9 @@ def main() -> int:
             toks = llm.prompt_tokens(text * 8, chat=False)
             toks = (toks * (max(sizes + [ns.context]) // len(toks) + 1))
             seq.prefill(toks[:ns.context], read=False)
-            base = len(seq.tokens)
 
             def timed(n: int) -> float:
-                t0 = time.perf_counter()
-                seq.decode_greedy(toks[:n])
-                dt = time.perf_counter() - t0
-                seq.rewind(base)
-                return dt
+                return seq.timed_greedy(toks[:n])
 
             try:
                 for n in sizes:   # warm-up: every graph shape, every setting

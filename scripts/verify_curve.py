@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 
 def sizes(spec: str) -> list[int]:
@@ -52,14 +51,9 @@ def main() -> int:
         toks = llm.prompt_tokens(text * 8, chat=False)
         filler = (toks * (max(todo) // len(toks) + 1))[:max(todo)]
         seq.prefill((toks * (ns.context // len(toks) + 1))[:ns.context], read=False)
-        base = len(seq.tokens)
 
         def timed(n: int) -> float:
-            t0 = time.perf_counter()
-            seq.decode_greedy(filler[:n])
-            dt = time.perf_counter() - t0
-            seq.rewind(base)
-            return dt
+            return seq.timed_greedy(filler[:n])
 
         for n in todo:   # warm-up: every graph shape once
             timed(n)

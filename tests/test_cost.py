@@ -280,6 +280,35 @@ def test_verify_curve_script_prints_a_ratio_per_size(tmp_path, monkeypatch, caps
     assert all(float(r[1]) > 0 for r in rows)
 
 
+def test_prefetch_ab_script_times_each_distance_and_restores_the_shipped_one(
+        tmp_path, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    from specee_cpp.bindings import cpu_prefetch_bytes
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import prefetch_ab
+    finally:
+        sys.path.pop(0)
+    shipped = cpu_prefetch_bytes()
+    monkeypatch.setattr(sys, "argv", ["prefetch_ab.py", str(t), "--distances", "0,4608,64",
+                                      "--sizes", "1,3", "--repeats", "2", "--context", "16"])
+    assert prefetch_ab.main() == 0
+    assert cpu_prefetch_bytes() == shipped
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert f"shipped distance {shipped}" in lines[0] and "16-token context" in lines[0]
+    assert lines[1] == "| rows | 0 B: ms (ratio) | 4608 B: ms (ratio) | 64 B: ms (ratio) |"
+    rows = [ln.strip("| ").split(" | ") for ln in lines[3:]]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    assert all(cell.endswith("(1.000)") for cell in (r[1] for r in rows))   # the reference
+    monkeypatch.setattr(sys, "argv", ["prefetch_ab.py", str(t), "--sizes", "1,x"])
+    assert prefetch_ab.main() == 2
+
+
 def test_cache_writes_are_whole_or_absent(tmp_path, monkeypatch):
     from specee_cpp.paths import write_text_atomic
 

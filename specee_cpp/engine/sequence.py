@@ -1,6 +1,7 @@
 """The tokens held in a context's KV cache, fed in batches and rewound on demand."""
 from __future__ import annotations
 
+import time
 from typing import Sequence as Seq
 
 import numpy as np
@@ -56,6 +57,17 @@ class Sequence:
         (read in C): a full greedy verification, or a teacher-forced pass."""
         self.decode(tokens, all_outputs=True)
         return [self.ctx.argmax(j) for j in range(len(tokens))]
+
+    def timed_greedy(self, tokens: list[int]) -> float:
+        """Seconds to decode ``tokens`` as one greedy batch (a verification of len - 1
+        drafted tokens; one token: a plain step), the cache then cut back to where it was:
+        what the measurement scripts time, batch after batch at the same context."""
+        keep = len(self.tokens)
+        t0 = time.perf_counter()
+        self.decode_greedy(tokens)
+        dt = time.perf_counter() - t0
+        self.rewind(keep)
+        return dt
 
     def argmax(self, i: int = -1) -> int:
         """Greedy token of output ``i`` of the last decode, without copying its logits."""
