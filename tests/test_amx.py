@@ -9,7 +9,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from installed import installed_lib
+
+from specee_cpp.bindings import library_file
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -88,7 +89,7 @@ def test_check_reads_a_miscompiled_sequence():
 
 
 def test_installed_library_passes_the_codegen_check():
-    lib = installed_lib("ggml-cpu")
+    lib = library_file("ggml-cpu")
     if lib is None or shutil.which("objdump") is None:
         pytest.skip("no libggml-cpu in the installed package or no objdump")
     ok, msg = check.check_file(lib)

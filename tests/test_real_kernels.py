@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from installed import installed_lib
+
+from specee_cpp.bindings import library_file
 
 HERE = Path(__file__).parent
 QUANTS = ["Q4_0", "Q4_K", "Q6_K", "IQ4_NL"]
@@ -149,7 +150,7 @@ def test_q8_k_activations_equal_the_reference_bit_for_bit():
 
     import numpy as np
 
-    base, cpu = installed_lib("ggml-base"), installed_lib("ggml-cpu")
+    base, cpu = library_file("ggml-base"), library_file("ggml-cpu")
     if base is None or cpu is None:
         pytest.skip("no ggml-base/ggml-cpu library in the installed package")
     # already loaded by llama_cpp: the same handles
@@ -199,7 +200,7 @@ def test_one_token_kernels_ask_for_the_weights_ahead():
     import platform
     import shutil
 
-    lib = installed_lib("ggml-cpu")
+    lib = library_file("ggml-cpu")
     if lib is None or shutil.which("objdump") is None or \
             platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("no x86 libggml-cpu in the installed package or no objdump")

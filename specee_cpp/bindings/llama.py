@@ -61,33 +61,35 @@ def library_info() -> dict:
     }
 
 
-def _loaded_libraries(name: str) -> list[Path]:
-    """The files of this process's mapped libraries whose names contain ``name`` (Linux; []
-    elsewhere). The wheel ships libggml-cpu.so, .so.0 and .so.0.25.3 as three copies: opening
-    another name than the one libllama was linked with maps a second copy, whose variables
-    no decode reads."""
+def library_file(name: str) -> Path | None:
+    """The llama.cpp shared library whose file name contains ``name`` (``ggml-cpu``,
+    ``ggml-base``): the copy this process has mapped where that can be read (Linux's
+    /proc/self/maps), else the first such file beside libllama (``.so``, ``.dylib``,
+    ``.dll``). The wheel ships each library as three copies (``.so``, ``.so.0``,
+    ``.so.0.25.3``): opening another name than the one libllama was linked with maps a second
+    copy, whose variables no decode reads."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            paths = {line.split(None, 5)[5].strip() for line in fh if line.count(" ") >= 5
-                     and name in line.rsplit("/", 1)[-1]}
+            paths = {f[5].strip() for f in (line.split(None, 5) for line in fh) if len(f) == 6}
+        mapped = sorted(Path(p) for p in paths if p.startswith("/") and name in Path(p).name)
     except OSError:
-        return []
-    return sorted(Path(p) for p in paths if p.startswith("/"))
+        mapped = []
+    if mapped:
+        return mapped[0]
+    beside = sorted(p for p in Path(_ffi.lib_path).parent.glob(f"*{name}*")
+                    if p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name)
+    return beside[0] if beside else None
 
 
 @functools.lru_cache(maxsize=1)
 def _cpu_prefetch_var():
     """Patch 0015's distance in the loaded CPU backend (a ctypes int64), or None where the
     library has no such setting (another build, or no CPU backend library beside libllama)."""
-    found = _loaded_libraries("ggml-cpu")
-    if not found:
-        here = Path(_ffi.lib_path).parent
-        found = sorted(p for p in here.glob("*ggml-cpu*")
-                       if p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name)
-    if not found:
+    path = library_file("ggml-cpu")
+    if path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(found[0]))   # the copy already loaded: the live setting
+        lib = ctypes.CDLL(str(path))       # the copy already loaded: the live setting
         lib.ggml_cpu_init()                # reads GGML_CPU_PREFETCH once; later calls do nothing
         return ctypes.c_int64.in_dll(lib, "ggml_cpu_prefetch_bytes")
     except (OSError, ValueError, AttributeError):
