@@ -43,8 +43,8 @@ def amx_state(system_info: str) -> str:
 
 
 def repack_state(system_info: str) -> str:
-    """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011)
-    and Q6_K (patch 0012)."""
+    """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011;
+    its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI) and Q6_K (patch 0012)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
 
@@ -59,7 +59,8 @@ def repack_state(system_info: str) -> str:
 
     # the switch is named only where its kernel is in the build
     q4k_default = repack_fused_default("AVX512 = 1" in system_info)
-    q4k = (rows(repack_fused_override(), q4k_default, "0011", REPACK_FUSED_ENV)
+    q4k_patch = "0011" if "AVX512_VNNI = 1" in system_info else "0011 with 0016's AVX2 kernel"
+    q4k = (rows(repack_fused_override(), q4k_default, q4k_patch, REPACK_FUSED_ENV)
            if "REPACK = 1" in system_info else "not repacked in this build")
     q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, "0012", Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "

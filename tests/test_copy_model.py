@@ -12,6 +12,7 @@ from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_repor
                                         samples, simulate)
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.spec.suffix import ContextSource
+from scripts_path import scripts_on_path
 
 FLAT = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1)       # a GPU's verification
 STEEP = CostModel([1.0 + 0.8 * i for i in range(16)], 0.6)       # this CPU's, roughly
@@ -362,15 +363,9 @@ def test_a_long_copy_is_drafted_whole_within_the_limit():
 
 
 def test_held_out_replay_streams_share_no_prompt_with_the_fitting_data():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
+    with scripts_on_path():
         from fit_copy_model import prompts as fitting_prompts
         from replay_held_out import held_out_prompts
-    finally:
-        sys.path.pop(0)
     fitted = {p.id for p, _ in fitting_prompts(edit_step=1)}   # every dev task, the most
     held = held_out_prompts(per_category=8, turn2=12)
     ids = [p.id for p, _ in held]
@@ -459,14 +454,8 @@ def test_replay_bench_varies_the_drafters_settings_it_names():
     """scripts/replay_bench.py --set NAME=V1,V2: one variant per value of a numeric setting
     of the drafter, typed like the setting ('off' only for the copy prior); anything else is
     refused with the setting it got."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
+    with scripts_on_path():
         from replay_bench import label, variants
-    finally:
-        sys.path.pop(0)
     got = variants(["FOLLOW_MIN=8,24", "follow_hits=0.7", "COPY_PRIOR=off,3"], ContextSource)
     assert got == [("FOLLOW_MIN", 8), ("FOLLOW_MIN", 24), ("FOLLOW_HITS", 0.7),
                    ("COPY_PRIOR", 1e12), ("COPY_PRIOR", 3.0)]

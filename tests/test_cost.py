@@ -11,6 +11,7 @@ from specee_cpp.spec.mode import SpecOptions, cost_model
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.engine.llm import LLM
 from tiny_gguf import write_tiny_model
+from scripts_path import scripts_on_path
 
 CPU = CostModel(target_batch_s=[1.0, 1.55, 1.78, 2.37, 2.68, 3.23, 4.2, 5.3], draft_token_s=0.6)
 GPU = CostModel(target_batch_s=[1.0 + 0.02 * i for i in range(16)], draft_token_s=0.1)
@@ -201,16 +202,12 @@ def test_measure_pairs_each_sample_with_a_plain_reference():
 def test_cost_spread_script_reports_each_measurement_and_the_spread(tmp_path, monkeypatch,
                                                                     capsys):
     import sys
-    from pathlib import Path
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
     d = write_tiny_model(tmp_path / "d.gguf", seed=2)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
+    with scripts_on_path():
         import cost_spread
-    finally:
-        sys.path.pop(0)
     monkeypatch.setattr(sys, "argv", ["cost_spread.py", str(t), "--draft", str(d),
                                       "--times", "2", "--repeats", "1", "--context", "32"])
     assert cost_spread.main() == 0
@@ -260,15 +257,11 @@ def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, mon
 
 def test_verify_curve_script_prints_a_ratio_per_size(tmp_path, monkeypatch, capsys):
     import sys
-    from pathlib import Path
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
+    with scripts_on_path():
         import verify_curve
-    finally:
-        sys.path.pop(0)
     assert verify_curve.sizes("3-5") == [3, 4, 5] and verify_curve.sizes("7") == [7]
     monkeypatch.setattr(sys, "argv", ["verify_curve.py", str(t), "--sizes", "1-6",
                                       "--repeats", "2", "--context", "16"])
@@ -283,17 +276,13 @@ def test_verify_curve_script_prints_a_ratio_per_size(tmp_path, monkeypatch, caps
 def test_prefetch_ab_script_times_each_distance_and_restores_the_shipped_one(
         tmp_path, monkeypatch, capsys):
     import sys
-    from pathlib import Path
 
     from specee_cpp.bindings import cpu_prefetch_bytes
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
+    with scripts_on_path():
         import prefetch_ab
-    finally:
-        sys.path.pop(0)
     shipped = cpu_prefetch_bytes()
     monkeypatch.setattr(sys, "argv", ["prefetch_ab.py", str(t), "--distances", "0,4608,64",
                                       "--sizes", "1,3", "--repeats", "2", "--context", "16"])
@@ -373,6 +362,9 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "Q4_K weights: batches of 2 rows or more" in repack_state(info)
     avx512_info = "AVX2 = 1 | AVX512 = 1 | REPACK = 1"
     assert "Q4_K weights: batches of 2-15 rows" in repack_state(avx512_info)
+    # AVX2 builds take patch 0016's kernel for those rows, AVX-512 VNNI ones 0011's own
+    assert "patch 0011 with 0016's AVX2 kernel" in repack_state(info)
+    assert "patch 0011 (" in repack_state(avx512_info.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1"))
     assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
     avx512 = "AVX512" in provenance._library()[0].split()
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")

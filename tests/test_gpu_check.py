@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts_path import scripts_on_path
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 
@@ -18,8 +20,8 @@ pytestmark = pytest.mark.model   # builds the library (cached) and runs real dec
 
 
 def test_keep_member_prunes_what_the_build_does_not_read():
-    sys.path.insert(0, str(SCRIPT.parent))
-    import gpu_check
+    with scripts_on_path():
+        import gpu_check
 
     keep = gpu_check.keep_member
     assert keep("llama_cpp/llama_cpp.py") and not keep("llama_cpp/lib/libllama.so")

@@ -6,18 +6,13 @@ from __future__ import annotations
 import pytest
 
 from specee_cpp import memory
+from scripts_path import scripts_on_path
 
 
 def load_pages_check():
     """scripts/pages_check.py as a module (its fresh-process runs of our loop)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
+    with scripts_on_path():
         import pages_check
-    finally:
-        sys.path.pop(0)
     return pages_check
 
 
