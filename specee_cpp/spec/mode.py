@@ -263,6 +263,7 @@ class Spec(Mode):
         from .decode import generate_spec
         from .policies import FixedGamma
         from .suffix import ContextSource
+        from .variants import MODEL_DRAFT_MARGIN, WORK_LEVELS, model_drafting_pays
 
         cost_aware = opts.gamma in NEEDS_COSTS
         chosen = choose_variant(llm) if llm.draft_auto and cost_aware else ""
@@ -277,6 +278,11 @@ class Spec(Mode):
             policy = draft_policy(llm, opts)
             if policy.plan_is_plain and cost_aware:
                 why = "model drafting cannot pay on this machine's measured costs"
+            elif cost_aware and not model_drafting_pays(cost_model(llm)):
+                policy = FixedGamma(0)
+                why = (f"model drafting gains under {MODEL_DRAFT_MARGIN - 1:.0%} at every "
+                       f"acceptance {WORK_LEVELS[0]}-{WORK_LEVELS[-1]} on this machine's "
+                       f"measured costs")
         if chosen and policy.plan_is_plain:
             why = f"{why}; {chosen}" if why else chosen
         with_context = cost_aware and opts.context

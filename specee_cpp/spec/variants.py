@@ -63,6 +63,26 @@ def workload_score(costs, relative: float) -> float:
                for a in WORK_LEVELS) / len(WORK_LEVELS)
 
 
+# The least predicted speed-up over plain, at some acceptance of WORK_LEVELS, for which a
+# cost-aware run keeps the draft model: the table's rounds leave out what holding a draft
+# costs besides them (its catch-up decodes after plain steps and free drafts, the rounds
+# whose first token it rejects). Session 38, the 2-core AVX2 EPYC: verification made cheaper
+# let the IQ4_NL draft pay from 90% acceptance (1.0002x predicted at 0.9, 1.079x at 0.95),
+# and with it held spec-auto ran 0.857x plain on mt_bench first turns and 0.913x on qa,
+# no model-drafted token kept (docs/BENCHMARKS.md, session 38).
+MODEL_DRAFT_MARGIN = 1.05
+
+
+def model_drafting_pays(costs) -> bool:
+    """Whether drafting with the draft ``costs`` were measured for is predicted to gain at
+    least MODEL_DRAFT_MARGIN over plain decoding at some acceptance of WORK_LEVELS (at the
+    table's first context; a single CostModel is its own table)."""
+    from .cost import as_table
+
+    table = as_table(costs)
+    return max(predicted_speedup(table, a)[0] for a in WORK_LEVELS) >= MODEL_DRAFT_MARGIN
+
+
 def scaled_draft(costs, ratio: float):
     """``costs`` with the draft's decodes ``ratio`` times as dear (a variant screened
     against the draft the table was measured with; verification is the target's)."""
