@@ -1,6 +1,5 @@
 """AMX: the GCC 12 tile-configuration miscompilation (patch 0003), its code check, the AMX
 switch, and wheels keyed by the CPU they were built for."""
-import importlib.util
 import os
 import re
 import shutil
@@ -10,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from scripts_path import load_script
 from specee_cpp.bindings import library_file
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 check = load_script("check_amx_codegen")

@@ -1,18 +1,15 @@
 """Bad input ends in one clean line, never a traceback or an abort: corrupted GGUFs (a fixed
 seed, a few dozen variants of the real small model through scripts/fuzz_gguf.py; the full run
 is the script itself) and out-of-range options."""
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("fuzz_gguf", REPO / "scripts" / "fuzz_gguf.py")
-fuzz_gguf = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fuzz_gguf)
+from scripts_path import load_script
+
+fuzz_gguf = load_script("fuzz_gguf")
 
 
 @pytest.mark.model

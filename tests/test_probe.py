@@ -1,13 +1,11 @@
 """The crash probe that set-up and `doctor` run: a real child decode, a real crash."""
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+from scripts_path import load_script
 from specee_cpp.probe import FAULT_ENV, run_probe
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_probe_passes_on_this_build():
@@ -25,9 +23,7 @@ def test_probe_reports_a_crashing_child(monkeypatch):
 
 
 def test_setup_stops_on_a_crashing_build(monkeypatch, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bootstrap", REPO / "scripts" / "bootstrap.py")
-    boot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(boot)
+    boot = load_script("bootstrap")
     monkeypatch.setattr(boot, "VENV", tmp_path)
     (tmp_path / ".specee-cpp-installed").write_text("install-hash")
     monkeypatch.setenv(FAULT_ENV, "segv")
