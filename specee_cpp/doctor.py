@@ -44,7 +44,8 @@ def amx_state(system_info: str) -> str:
 
 def repack_state(system_info: str) -> str:
     """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011;
-    its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI) and Q6_K (patch 0012)."""
+    its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI) and Q6_K (patch 0012;
+    in 512-bit steps in AVX-512 builds, patch 0017, one-row dot included)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
 
@@ -62,7 +63,10 @@ def repack_state(system_info: str) -> str:
     q4k_patch = "0011" if "AVX512_VNNI = 1" in system_info else "0011 with 0016's AVX2 kernel"
     q4k = (rows(repack_fused_override(), q4k_default, q4k_patch, REPACK_FUSED_ENV)
            if "REPACK = 1" in system_info else "not repacked in this build")
-    q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, "0012", Q6K_FUSED_ENV)
+    # ggml's system info names AVX512 (F) alone; every CPU with it that llama.cpp builds for
+    # also has the BW subset patch 0017's kernel is compiled with
+    q6k_patch = "0012 with 0017's AVX-512 kernel" if "AVX512 = 1" in system_info else "0012"
+    q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, q6k_patch, Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
            "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
     return f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}{amx}"

@@ -366,6 +366,9 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "patch 0011 with 0016's AVX2 kernel" in repack_state(info)
     assert "patch 0011 (" in repack_state(avx512_info.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1"))
     assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
+    # and their Q6_K kernel (one-row dot included) is patch 0017's 512-bit one
+    assert "patch 0012 (" in repack_state(info)
+    assert "patch 0012 with 0017's AVX-512 kernel (" in repack_state(avx512_info)
     avx512 = "AVX512" in provenance._library()[0].split()
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
     assert (provenance.machine(2) == base) == avx512

@@ -170,6 +170,74 @@ def test_q8_k_activations_equal_the_reference_bit_for_bit():
         assert bad.size == 0, f"blocks {bad[:5].tolist()} differ from quantize_row_q8_K_ref"
 
 
+def test_q6_k_dot_equals_the_dequantized_dot():
+    """Patch 0017: on AVX-512 builds the Q6_K dot (ggml's vec_dot for Q6_K, every plain
+    token's head) runs in 512-bit steps that pair the AVX2 kernel's operands two by two.
+    Checked here against the dot of both operands dequantized by ggml (float64 sums): a
+    quant, scale or activation put in the wrong half is off by ~1/sqrt(n) of the sum of
+    |products|, the kernel's own rounding by ~1e-7 of it. That every batch of 2-16 rows
+    equals this dot bit for bit is the model test above; that this dot equals the AVX2
+    kernel's bit for bit was checked when the patch was made (docs/AMX.md, patch 0017)."""
+    import ctypes
+
+    import numpy as np
+
+    base, cpu = library_file("ggml-base"), library_file("ggml-cpu")
+    if base is None or cpu is None:
+        pytest.skip("no ggml-base/ggml-cpu library in the installed package")
+    lb, lc = ctypes.CDLL(str(base)), ctypes.CDLL(str(cpu))
+    q6_k, q8_k, qk = 14, 15, 256
+    to_float_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    from_float_t = to_float_t
+    vec_dot_t = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                 ctypes.c_size_t, ctypes.c_int)
+
+    class Traits(ctypes.Structure):   # ggml.h's struct ggml_type_traits
+        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                    ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                    ("is_quantized", ctypes.c_bool), ("to_float", to_float_t),
+                    ("from_float_ref", from_float_t)]
+
+    class CpuTraits(ctypes.Structure):   # ggml-cpu.h's struct ggml_type_traits_cpu
+        _fields_ = [("from_float", from_float_t), ("vec_dot", vec_dot_t),
+                    ("vec_dot_type", ctypes.c_int), ("nrows", ctypes.c_int64)]
+
+    lb.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+    lc.ggml_get_type_traits_cpu.restype = ctypes.POINTER(CpuTraits)
+    lc.ggml_cpu_init()
+    t6, t8 = lb.ggml_get_type_traits(q6_k).contents, lb.ggml_get_type_traits(q8_k).contents
+    assert t8.type_size == 4 + qk + 2 * qk // 16
+    cpu6 = lc.ggml_get_type_traits_cpu(q6_k).contents
+    assert cpu6.vec_dot_type == q8_k
+    rng = np.random.default_rng(17)
+    n = 6 * qk
+    for case in range(24):
+        w = rng.standard_normal(n).astype(np.float32) * np.float32(0.05)
+        a = rng.standard_normal(n).astype(np.float32)
+        if case % 3 == 1:   # a few large activations: full-range quants in every block
+            a[rng.integers(0, n, 16)] *= np.float32(40)
+        if case % 3 == 2:   # weights of one sign in some blocks, large ones in others
+            w[:qk] = np.abs(w[:qk])
+            w[2 * qk:3 * qk] *= np.float32(100)
+        wq = np.zeros(n // qk * t6.type_size, np.uint8)
+        aq = np.zeros(n // qk * t8.type_size, np.uint8)
+        t6.from_float_ref(w.ctypes.data, wq.ctypes.data, n)
+        lc.quantize_row_q8_K(ctypes.c_void_p(a.ctypes.data), ctypes.c_void_p(aq.ctypes.data),
+                             ctypes.c_int64(n))
+        wd = np.zeros(n, np.float32)
+        t6.to_float(wq.ctypes.data, wd.ctypes.data, n)
+        blocks = aq.reshape(-1, t8.type_size)   # block_q8_K: float d, int8 qs[256], bsums
+        ad = (blocks[:, :4].copy().view(np.float32) *
+              blocks[:, 4:4 + qk].copy().view(np.int8).astype(np.float32)).reshape(-1)
+        out = np.full(1, np.nan, np.float32)
+        cpu6.vec_dot(n, out.ctypes.data, 0, wq.ctypes.data, 0, aq.ctypes.data, 0, 1)
+        prod = wd.astype(np.float64) * ad.astype(np.float64)
+        err = abs(float(out[0]) - float(prod.sum()))
+        assert err <= 1e-5 * float(np.abs(prod).sum()), \
+            f"case {case}: Q6_K dot {out[0]!r} against {prod.sum()!r} dequantized"
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 def test_weight_prefetch_changes_no_result(kdir, quant):
     assert child("prefetch_changes_nothing", str(kdir), quant) == "ok"
