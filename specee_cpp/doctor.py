@@ -44,7 +44,8 @@ def amx_state(system_info: str) -> str:
 
 def repack_state(system_info: str) -> str:
     """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011;
-    its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI) and Q6_K (patch 0012;
+    its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI, patch 0018's two-strip
+    kernel, for every batch, where it has it) and Q6_K (patch 0012;
     in 512-bit steps in AVX-512 builds, patch 0017, one-row dot included)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
@@ -59,8 +60,10 @@ def repack_state(system_info: str) -> str:
         return f"{how} ({env}=0: upstream)"
 
     # the switch is named only where its kernel is in the build
-    q4k_default = repack_fused_default("AVX512 = 1" in system_info)
-    q4k_patch = "0011" if "AVX512_VNNI = 1" in system_info else "0011 with 0016's AVX2 kernel"
+    vnni = "AVX512_VNNI = 1" in system_info
+    q4k_default = repack_fused_default("AVX512 = 1" in system_info, vnni)
+    q4k_patch = ("0011 with 0018's two-strip AVX-512 kernel" if vnni
+                 else "0011 with 0016's AVX2 kernel")
     q4k = (rows(repack_fused_override(), q4k_default, q4k_patch, REPACK_FUSED_ENV)
            if "REPACK = 1" in system_info else "not repacked in this build")
     # ggml's system info names AVX512 (F) alone; every CPU with it that llama.cpp builds for

@@ -28,16 +28,17 @@ AMX_FUSED_ENV = "GGML_AMX_VNNI_FUSED_ROWS"
 
 
 # patch 0011: repacked Q4_K weights (x86 with AVX2, weights not in the AMX buffer) take
-# batches of 2 up to this many rows several rows at once (unset: 15 in an AVX-512 build,
-# whose upstream gemm takes 16 rows at a time, and every batch with AVX2 alone; 0 or 1:
-# upstream's gemm and one-row gemv)
+# batches of 2 up to this many rows several rows at once (unset: 15 in an AVX-512 build
+# without VNNI, whose upstream gemm takes 16 rows at a time, and every batch with AVX2 alone
+# or AVX-512 VNNI, where patch 0018's kernel beats that gemm; 0 or 1: upstream's gemm and
+# one-row gemv)
 REPACK_FUSED_ENV = "GGML_REPACK_FUSED_ROWS"
 REPACK_FUSED_AVX512 = 15
 
 
-def repack_fused_default(avx512: bool) -> int | None:
+def repack_fused_default(avx512: bool, vnni: bool = False) -> int | None:
     """Patch 0011's row limit when its variable is unset: None is every batch."""
-    return REPACK_FUSED_AVX512 if avx512 else None
+    return REPACK_FUSED_AVX512 if avx512 and not vnni else None
 
 
 # patch 0012: Q6_K weights (not repacked on x86) take batches of 2 up to this many rows one
@@ -88,7 +89,9 @@ def amx_fused_override() -> int | None:
 def repack_fused_override() -> int | None:
     """Patch 0011's row limit where this process's environment sets one other than its
     default for the loaded build (else None), read as the patch reads it."""
-    return _leading_int(REPACK_FUSED_ENV, repack_fused_default("AVX512" in _library()[0].split()))
+    feats = _library()[0].split()
+    return _leading_int(REPACK_FUSED_ENV, repack_fused_default("AVX512" in feats,
+                                                               "AVX512_VNNI" in feats))
 
 
 def q6k_fused_override() -> int | None:

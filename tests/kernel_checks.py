@@ -149,8 +149,9 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     alone, bit for bit, on AMX: row by row with the one-row kernel (patch 0009), several rows
     at once (patch 0010: Q4_K/Q6_K, groups of up to 8 rows, so 9 = 5 + 4 and 16 = 8 + 8) or
     the tiles (above 4 rows of the other types); and on x86's repacked Q4_K (patch 0011):
-    batches of up to 15 rows (AVX-512) or any number (AVX2 alone, patch 0016's kernel: 32
-    rows a pass) at once, in groups of up to 4 (9 = 4 + 3 + 2), else the rows the gemm
+    batches of up to 15 rows (AVX-512 without VNNI) or any number (AVX2 alone, patch 0016's
+    kernel: 32 rows a pass; AVX-512 VNNI, patch 0018's: two strips of columns at once) at
+    once, in groups of up to 4 (9 = 4 + 3 + 2), else the rows the gemm
     leaves; on x86's Q6_K (patch 0012): each weight row against 2-16 rows at once (instead
     of a dot per pair or, from 8 rows, llama.cpp's tiled matmul). Prints the largest
     |difference| of each batch size's rows (rows: comma-separated sizes up to MAX_BATCH_ROWS,

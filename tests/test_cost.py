@@ -362,19 +362,25 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "Q4_K weights: batches of 2 rows or more" in repack_state(info)
     avx512_info = "AVX2 = 1 | AVX512 = 1 | REPACK = 1"
     assert "Q4_K weights: batches of 2-15 rows" in repack_state(avx512_info)
-    # AVX2 builds take patch 0016's kernel for those rows, AVX-512 VNNI ones 0011's own
+    # AVX2 builds take patch 0016's kernel for those rows, AVX-512 VNNI ones patch 0018's,
+    # which beats the 16-row gemm at every size: every batch
     assert "patch 0011 with 0016's AVX2 kernel" in repack_state(info)
-    assert "patch 0011 (" in repack_state(avx512_info.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1"))
+    vnni_info = avx512_info.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1")
+    assert "patch 0011 with 0018's two-strip AVX-512 kernel (" in repack_state(vnni_info)
+    assert "Q4_K weights: batches of 2 rows or more" in repack_state(vnni_info)
     assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
     # and their Q6_K kernel (one-row dot included) is patch 0017's 512-bit one
     assert "patch 0012 (" in repack_state(info)
     assert "patch 0012 with 0017's AVX-512 kernel (" in repack_state(avx512_info)
-    avx512 = "AVX512" in provenance._library()[0].split()
+    feats = provenance._library()[0].split()
+    limited = "AVX512" in feats and "AVX512_VNNI" not in feats   # the C default is 15 there
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
-    assert (provenance.machine(2) == base) == avx512
+    assert (provenance.machine(2) == base) == limited
     with monkeypatch.context() as m:
         m.setattr(provenance, "_library", lambda: ("AVX2 AVX512", "b"))
         assert provenance.repack_fused_override() is None
+        m.setattr(provenance, "_library", lambda: ("AVX2 AVX512 AVX512_VNNI", "b"))
+        assert provenance.repack_fused_override() == 15
         m.setattr(provenance, "_library", lambda: ("AVX2", "b"))
         assert provenance.repack_fused_override() == 15
     monkeypatch.delenv(provenance.REPACK_FUSED_ENV)

@@ -68,17 +68,21 @@ def system_repacks_x86() -> bool:
 @pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
 def test_small_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch):
     # patch 0011 takes a batch against repacked Q4_K weights several rows at once (2-15 rows
-    # in an AVX-512 build, any number with AVX2 alone), and the 1-3 rows the 4-row gemm
-    # leaves of a longer one: each row must equal that token decoded alone (upstream's gemm
-    # differs by ~0.2 from 4 rows on). With AVX2 alone patch 0016's kernel runs them: 2-4
-    # rows in registers, more in groups of 2-4 per block, 32 rows a pass (33 = 32 + 1,
-    # 38 = 32 + 3 + 3). With AMX on, the AMX buffer takes these weights: switch it off so the
-    # repack runs.
+    # in an AVX-512 build without VNNI, any number with AVX2 alone or AVX-512 VNNI), and the
+    # 1-3 rows the 4-row gemm leaves of a longer one: each row must equal that token decoded
+    # alone (upstream's gemm differs by ~0.2 from 4 rows on). With AVX2 alone patch 0016's
+    # kernel runs them: 2-4 rows in registers, more in groups of 2-4 per block, 32 rows a
+    # pass (33 = 32 + 1, 38 = 32 + 3 + 3); with AVX-512 VNNI patch 0018's, two strips of
+    # columns at once (the tiny head's 40 strips leave 5 a chunk: the odd one takes 0011's
+    # kernel). With AMX on, the AMX buffer takes these weights: switch it off so the repack
+    # runs.
     from specee_cpp.bindings import library_info
 
     monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
     monkeypatch.delenv("GGML_REPACK_FUSED_ROWS", raising=False)
-    sizes = "2,3,4,5,9,15" + ("" if "AVX512 = 1" in library_info()["system_info"] else ",16,33,38")
+    info = library_info()["system_info"]
+    limited = "AVX512 = 1" in info and "AVX512_VNNI = 1" not in info
+    sizes = "2,3,4,5,9,15" + ("" if limited else ",16,33,38")
     zeros = " ".join(["0"] * len(sizes.split(",")))
     assert child("small_batch_rows", str(kdir), "Q4_K", sizes) == zeros
     # a limit of 3: batches of 4 and more take the gemm and the rows it leaves go together;
