@@ -522,7 +522,9 @@ def test_peers_decode_as_many_tokens_as_plain_where_a_stop_string_ends_the_answe
     text = "Count from one to twenty in words, separated by commas."
     small_llm.reset()
     free = small_llm.generate(text, max_tokens=32)
-    assert free.stats.n_gen == 32
+    # 32 tokens on AVX2 builds; the Zen 5's AVX-512 kernels end the greedy answer at 22
+    n_free = free.stats.n_gen
+    assert n_free >= 16, free.text
     # a stop string that first occurs a third of the way in or later
     at = next(i for i in range(len(free.text) // 3, len(free.text) - 4)
               if free.text.find(free.text[i:i + 4]) == i)
@@ -537,7 +539,8 @@ def test_peers_decode_as_many_tokens_as_plain_where_a_stop_string_ends_the_answe
         [stopped, open_ended], tmp_path / "r.jsonl",
         progress=lambda d, t, desc: seen.append(desc), warmup=False)}
     plain, peer = recs[("s", "plain")], recs[("s", "lcpp-plain")]
-    assert plain.n_gen < 24 and runner.peer_limits == {"s": plain.n_gen}
+    assert plain.n_gen < n_free and runner.peer_limits == {"s": plain.n_gen}
     assert peer.n_gen == plain.n_gen and peer.text == plain.text
-    assert recs[("o", "lcpp-plain")].n_gen >= 32 and "o" not in runner.peer_limits
+    # the open-ended prompt is not cut at the stopped answer's length
+    assert recs[("o", "lcpp-plain")].n_gen > plain.n_gen and "o" not in runner.peer_limits
     assert seen.index("sizing the peers' answers to s") < seen.index("plain on s")
