@@ -87,3 +87,35 @@ def test_losing_holds_from_a_verdict_against_drafting_to_the_next_drafted_round(
     assert g.losing                      # a plain step is no probe
     lose(g, 1)
     assert not g.losing                  # a drafted round probed (its verdict comes later)
+
+
+def test_rounds_are_judged_by_their_tokens_over_their_seconds():
+    """Rounds are mostly either fully accepted or cut short; their speed is what they emit
+    over the time they take, not the average of each round's rate, which weighs the short
+    ones above their share of the time (HumanEval 0-23 on the Zen 5 EPYC: verdicts against
+    a model whose rounds ran 1.27x plain, and the model off for most of the next answers)."""
+    g = Guard(plain_tps_prior=7.3, window=2, memory=8)
+    for i in range(40):
+        assert g.gate(3) == 3, f"gated after round {i}"
+        if i % 2:
+            g.observe(n_drafted=3, tokens=1, seconds=0.25)   # rejected: 4 tok/s
+        else:
+            g.observe(n_drafted=3, tokens=4, seconds=0.4)    # accepted: 10 tok/s
+    # the same rounds, all slow: the sums sink below plain and the guard backs off
+    lose(g, 20, tps=4.0)
+    assert g.gate(3) == 0
+
+
+def test_a_longer_memory_outlasts_a_short_run_of_rejected_rounds():
+    """The draft model's guard (memory 8) keeps drafting through the three rejected rounds
+    that end one answer and start the next; a guard remembering 4 rounds backs off there."""
+    def run(memory):
+        g = Guard(plain_tps_prior=45.0, window=4, memory=memory)
+        for _ in range(12):
+            g.observe(n_drafted=3, tokens=4, seconds=0.064)    # 62 tok/s, fully accepted
+        for _ in range(3):
+            g.observe(n_drafted=3, tokens=1, seconds=0.060)    # 17 tok/s, rejected
+        return g.wait > 0   # backed off
+
+    assert run(memory=4)
+    assert not run(memory=8)

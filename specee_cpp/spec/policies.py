@@ -30,6 +30,9 @@ EXPLORE_HORIZON = 64
 # the draft's catch-up after a drafted round: the last drafted token (accepted, never decoded
 # by the draft) and the target's own token; a draft further behind has a batch to read first
 ROUND_CATCH_UP = 2
+# drafted rounds the draft model's guard remembers (Guard: decayed sums); its verdicts last
+# across generations, so they are reached on more rounds than a context guard's
+MODEL_GUARD_MEMORY = 8
 
 
 class DraftPolicy:
@@ -150,12 +153,20 @@ class HFHeuristic(DraftPolicy):
 class Guard:
     """What rounds really cost, here and now. The cost model is measured once, at a short
     context, and the acceptance model is fitted on other prompts; either can be optimistic.
-    The guard keeps moving averages of the tokens per second actually reached by drafted
-    rounds and by plain steps (the cost model's plain speed until one is seen). Once
-    ``window`` drafted rounds average slower than plain, it sends the policy to plain
-    decoding for ``backoff`` steps, then lets ``window`` drafted rounds probe again, doubling
-    the wait while probes keep losing. A single unlucky round (one token accepted of eight)
-    is slower than plain on any machine, hence averages over several rounds.
+    The guard keeps the speed actually reached by drafted rounds (their tokens over their
+    seconds, both summed with a decay of 1/``memory`` a round) and a moving average of plain
+    steps' (the cost model's plain speed until one is seen). Once ``window`` drafted rounds
+    run slower than plain, it sends the policy to plain decoding for ``backoff`` steps, then
+    lets ``window`` drafted rounds probe again, doubling the wait while probes keep losing.
+    A single unlucky round (one token accepted of eight) is slower than plain on any
+    machine, hence sums over several rounds; and sums, not an average of each round's
+    tokens per second: rounds are either fully accepted or cut short (4 tokens in 64 ms or
+    1 in 50 on HumanEval on the Zen 5), and an average of their rates weighs the short,
+    rejected ones above their share of the time. The draft model's guard remembers
+    ``MODEL_GUARD_MEMORY`` rounds: with 4, its running average of rates fell below plain
+    after two or three rejected rounds at the end of one answer and the start of the next
+    (tasks 8-9 of HumanEval 0-23), where its rounds overall ran 1.27x plain, and the
+    verdicts' waits and doubled backoffs kept the model off for most of the next 6 answers.
 
     A round's time includes the draft's catch-up on what was emitted since it last ran (the
     tokens of free drafts from the context, plain steps chosen by the policy): a real cost
@@ -168,12 +179,13 @@ class Guard:
     holds, the policy does not pay a long catch-up to probe (see ``CostAwareGamma``)."""
 
     def __init__(self, plain_tps_prior: float, window: int = 4, first_backoff: int = 16,
-                 max_backoff: int = 512):
+                 max_backoff: int = 512, memory: int | None = None):
         self.plain_prior, self.window = plain_tps_prior, window
         self.alpha = 1.0 / window
+        self.decay = 1.0 - 1.0 / (memory or window)   # what the drafted sums keep a round
         self.first, self.max = first_backoff, max_backoff
         self.plain: float | None = None
-        self.drafted: float | None = None
+        self.tokens = self.seconds = 0.0   # drafted rounds' decayed sums
         self.n_judged = 0            # drafted rounds since the last verdict
         self.backoff, self.wait = first_backoff, 0
         self.waited = False          # a wait ran since the last drafted round
@@ -188,6 +200,10 @@ class Guard:
 
     def plain_tps(self) -> float:
         return self.plain if self.plain is not None else self.plain_prior
+
+    def drafted_tps(self) -> float | None:
+        """The drafted rounds' speed as judged (None: none since the last verdict)."""
+        return self.tokens / self.seconds if self.n_judged else None
 
     def gate(self, want: int) -> int:
         return 0 if self.hold() else want
@@ -225,13 +241,13 @@ class Guard:
         if self.waited:
             seconds, self.waited = max(seconds - catch_up, 1e-9), False
         self.losing = False
-        tps = tokens / seconds
         # after a wait, the probe is judged on its own rounds, not the ones that lost before
-        self.drafted = tps if self.n_judged == 0 else self._ema(self.drafted, tps)
+        k = self.decay if self.n_judged else 0.0
+        self.tokens, self.seconds = k * self.tokens + tokens, k * self.seconds + seconds
         self.n_judged += 1
         if self.n_judged < self.window:
             return
-        if self.drafted < self.plain_tps():
+        if self.drafted_tps() < self.plain_tps():
             self.wait, self.losing = self.backoff, True
             self.backoff = min(2 * self.backoff, self.max)
             self.n_judged = 0
@@ -310,7 +326,7 @@ class _ReadsCosts:
         self._base = self.table.points[0]   # the table at this context, before any scale
         self._scaled_by = (1.0, 1.0)
         self._read(self._base)
-        self.guard = Guard(1.0 / self.costs.plain)
+        self.guard = Guard(1.0 / self.costs.plain, memory=MODEL_GUARD_MEMORY)
 
     def use_scale(self, scale) -> None:
         """Price verification with ``scale`` (a ``cost.VerifyScale``: the one the context
