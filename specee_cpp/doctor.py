@@ -46,7 +46,8 @@ def repack_state(system_info: str) -> str:
     """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011;
     its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI, patch 0018's two-strip
     kernel, for every batch, where it has it) and Q6_K (patch 0012;
-    in 512-bit steps in AVX-512 builds, patch 0017, one-row dot included)."""
+    in 512-bit steps in AVX-512 builds, patch 0017, one-row dot included; its scale sums by
+    VNNI and small row counts unrolled, patch 0019)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
 
@@ -68,7 +69,8 @@ def repack_state(system_info: str) -> str:
            if "REPACK = 1" in system_info else "not repacked in this build")
     # ggml's system info names AVX512 (F) alone; every CPU with it that llama.cpp builds for
     # also has the BW subset patch 0017's kernel is compiled with
-    q6k_patch = "0012 with 0017's AVX-512 kernel" if "AVX512 = 1" in system_info else "0012"
+    q6k_patch = ("0012 with 0017's AVX-512 kernel" + (", 0019's VNNI sums" if vnni else "")
+                 if "AVX512 = 1" in system_info else "0012")
     q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, q6k_patch, Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
            "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")

@@ -372,6 +372,8 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     # and their Q6_K kernel (one-row dot included) is patch 0017's 512-bit one
     assert "patch 0012 (" in repack_state(info)
     assert "patch 0012 with 0017's AVX-512 kernel (" in repack_state(avx512_info)
+    # with VNNI its scale sums are patch 0019's
+    assert "patch 0012 with 0017's AVX-512 kernel, 0019's VNNI sums (" in repack_state(vnni_info)
     feats = provenance._library()[0].split()
     limited = "AVX512" in feats and "AVX512_VNNI" not in feats   # the C default is 15 there
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
