@@ -23,6 +23,7 @@ def table(draft: float, verify: list[float]) -> CostTable:
 
 FLAT = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4]       # a GPU-like target
 STEEP = [1.0, 2.0, 2.9, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]          # verifying 2 costs 2
+ZEN5 = [1.0, 1.31, 1.42, 1.57, 1.93, 2.12, 2.36, 2.60, 3.0]    # scripts/verify_curve.py there
 
 
 @pytest.fixture
@@ -145,3 +146,35 @@ def test_draft_ratio_times_a_real_variant_once(small_model, tmp_path, monkeypatc
         monkeypatch.setattr("specee_cpp.engine.llm._Loaded", no_load)
         assert variants.draft_ratio(llm, q8) == r
         assert not llm.draft_loaded
+
+
+def test_tied_work_scores_go_to_the_variant_that_pays_at_the_top_of_the_work(
+        auto_llm, small_model, tmp_path, monkeypatch):
+    """Where nothing pays at the work levels (every score 1.00), the cheaper variant that
+    pays at code-like acceptance is chosen, not the shipped draft (on the Zen 5 EPYC the
+    shipped draft was kept on such a tie and spec-auto drafted nothing)."""
+    # the Zen 5's table (build c763be6b): a draft token 0.67 of a target token, its first
+    # (a 2-row catch-up) 1.48, verification of 2-8 as measured; the variant 0.49 of it
+    write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.58})
+    seen = []
+    shipped = CostTable([CostModel(target_batch_s=ZEN5, draft_token_s=0.67, draft_first_s=1.48,
+                                   plain_token_s=1.0, context=128)])
+    fake_costs(monkeypatch, {"Q4_1": shipped}, seen, ratios={"Q8_0": 0.49})
+    cheap = variants.scaled_draft(shipped, 0.49)
+    rel = 0.58 / 0.7
+    assert variants.workload_score(cheap, rel) == variants.workload_score(shipped, 1.0) == 1.0
+    assert variants.top_score(cheap, rel) > 1.0 == variants.top_score(shipped, 1.0)
+    note = spec_mode.choose_variant(auto_llm)
+    assert auto_llm.draft_path.name.endswith(".Q8_0.gguf"), note
+
+
+def test_a_tie_with_nothing_paying_anywhere_keeps_the_shipped_draft(
+        auto_llm, small_model, tmp_path, monkeypatch):
+    write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.4})
+    seen = []
+    fake_costs(monkeypatch, {"Q4_1": CostTable([CostModel(
+        target_batch_s=ZEN5, draft_token_s=0.67, draft_first_s=1.48, plain_token_s=1.0,
+        context=128)])}, seen, ratios={"Q8_0": 0.9})
+    spec_mode.choose_variant(auto_llm)
+    assert auto_llm.draft_path == small_model
+
