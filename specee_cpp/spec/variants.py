@@ -20,6 +20,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR, write_text_atomic
 
@@ -63,16 +65,16 @@ def workload_score(costs, relative: float) -> float:
                for a in WORK_LEVELS) / len(WORK_LEVELS)
 
 
-# The top of that work, where variants whose WORK_LEVELS scores tie are told apart (see
-# ``choose``): code and rewrites, where the shipped draft is all but always accepted. On the
-# Zen 5 EPYC's HumanEval the IQ4_NL 16k-head draft, recorded at 0.83x the shipped draft's
-# acceptance, was accepted at 0.83-0.87: the shipped one's at 1.0, scaled.
-TOP_LEVEL = 1.0
-
-
-def top_score(costs, relative: float) -> float:
-    """Predicted speed over plain at TOP_LEVEL, scaled by ``relative`` like workload_score."""
-    return predicted_speedup(costs, min(TOP_LEVEL * relative, 0.99))[0]
+def pays_from(costs, relative: float) -> float:
+    """The least acceptance of the shipped draft (in steps of 0.01, scaled by ``relative``
+    like workload_score) from which drafting is predicted to beat plain decoding; 2.0 where
+    none does. Equal WORK_LEVELS scores are told apart by it (see ``choose``): the variant
+    that starts paying at the lowest acceptance drafts over the most of the work above the
+    levels (code, rewrites)."""
+    for a in np.arange(0.5, 1.0001, 0.01):
+        if predicted_speedup(costs, min(a * relative, 0.99))[0] > 1.0:
+            return round(float(a), 2)
+    return 2.0
 
 
 # The least predicted speed-up over plain, at some acceptance of WORK_LEVELS, for which a
@@ -142,11 +144,11 @@ def choose(llm, base_name: str, status) -> str:
     # draft is neither made nor timed (a low-acceptance head cut on a CPU, say)
     ratios = {shipped_spec: 1.0}
     scores = {shipped_spec: workload_score(shipped, rel[shipped_spec])}
-    tops = {shipped_spec: top_score(shipped, rel[shipped_spec])}
+    starts = {shipped_spec: pays_from(shipped, rel[shipped_spec])}
     failed = []
     for spec in sorted(variants, key=lambda k: -rel[k]):
         if spec in ratios or (workload_score(free, rel[spec]) <= max(scores.values())
-                              and top_score(free, rel[spec]) <= max(tops.values())):
+                              and pays_from(free, rel[spec]) >= min(starts.values())):
             continue
         try:
             with status(f"making draft variant {base_name}:{spec} (once)"):
@@ -160,18 +162,22 @@ def choose(llm, base_name: str, status) -> str:
             failed.append(f"{spec}: {e}")
             continue
         scores[spec] = workload_score(scaled_draft(shipped, ratios[spec]), rel[spec])
-        tops[spec] = top_score(scaled_draft(shipped, ratios[spec]), rel[spec])
+        starts[spec] = pays_from(scaled_draft(shipped, ratios[spec]), rel[spec])
     # equal scores (most often all 1.00: nothing pays at the work levels) go to the variant
-    # that pays most at the top of the work, then to the shipped draft. Decided by the
+    # that starts paying at the lowest acceptance, then to the shipped draft. Decided by the
     # shipped one alone, the Zen 5 EPYC's choice flipped on its table's noise: the shipped
     # draft at 0.67 of a target token (build c763be6b) paid nowhere and the run drafted
-    # nothing, where the IQ4_NL 16k-head one (0.49 of it) ran HumanEval at 1.26-1.29x
-    spec = max(scores, key=lambda k: (round(scores[k], 6), round(tops[k], 6),
-                                      k == shipped_spec))
+    # nothing, where the IQ4_NL 16k-head one (0.49 of it) ran HumanEval at 1.26-1.29x. A
+    # score at one top level instead was a coin toss between that one and the full-head
+    # IQ4_NL (0.76 of it, acceptance 0.98x): 1.077x against 1.098x predicted at the
+    # shipped draft's acceptance 1.0, 1.011x against 1.000x at 0.95
+    spec = max(scores, key=lambda k: (round(scores[k], 6), -starts[k], k == shipped_spec))
     set_draft(llm, path_of(spec))
     return (f"{base_name}:{spec} for this machine (draft token {ratios[spec]:.2f}x, acceptance "
             f"{rel[spec]:.2f}x the shipped draft's; predicted {scores[spec]:.2f}x plain, "
-            f"shipped {scores[shipped_spec]:.2f}x)"
+            f"shipped {scores[shipped_spec]:.2f}x"
+            + (f"; pays from the shipped draft's acceptance {starts[spec]:.2f}"
+               if starts[spec] <= 1.0 else "") + ")"
             + (f"; not tried: {'; '.join(failed)}" if failed else ""))
 
 
