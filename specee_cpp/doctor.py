@@ -74,7 +74,13 @@ def repack_state(system_info: str) -> str:
     q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, q6k_patch, Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
            "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
-    return f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}{amx}"
+    # patch 0020: a draft's repacked IQ4_NL / Q4_0 weights, 2-3 rows (its catch-ups) at once
+    limit = repack_fused_override()
+    small = ("not repacked in this build" if "REPACK = 1" not in system_info else
+             "upstream's kernels" if limit is not None and limit < 2 else
+             f"batches of 2-3 rows at once, patch 0020 ({REPACK_FUSED_ENV}=0: upstream)")
+    return (f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}; repacked IQ4_NL/Q4_0 "
+            f"weights: {small}{amx}")
 
 
 def prefetch_state(system_info: str, distance: int | None) -> str:

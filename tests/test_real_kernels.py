@@ -96,6 +96,24 @@ def test_small_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch)
     assert together == upstream and together.startswith("0 0 "), (together, upstream)
 
 
+@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
+@pytest.mark.parametrize("quant", ["IQ4_NL", "Q4_0"])
+def test_small_batches_on_repacked_iq4_nl_and_q4_0_equal_one_row_decodes(kdir, monkeypatch,
+                                                                         quant):
+    # patch 0020 takes 2-3 rows against repacked IQ4_NL / Q4_0 weights (a draft's catch-up)
+    # together, one pass over the weights: each row must equal that token decoded alone.
+    # Batches of 4 and more take upstream's gemm, and the 2-3 rows it leaves go together:
+    # those rows attend to the gemm's rows, so they differ from one-at-a-time decodes as
+    # upstream's do, but by exactly as much as upstream's (its gemv row by row, limit 0)
+    monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
+    monkeypatch.delenv("GGML_REPACK_FUSED_ROWS", raising=False)
+    assert child("small_batch_rows", str(kdir), quant, "2,3") == "0 0"
+    together = child("small_batch_rows", str(kdir), quant, "6,7,11", "tail")
+    monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "0")
+    upstream = child("small_batch_rows", str(kdir), quant, "6,7,11", "tail")
+    assert together == upstream, (together, upstream)
+
+
 @pytest.mark.skipif("not system_repacks_x86()", reason="no x86 AVX2 kernels")
 def test_small_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch):
     # patch 0012 runs each Q6_K weight row (not repacked on x86) against a batch's 2-16 rows
