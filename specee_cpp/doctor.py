@@ -65,7 +65,8 @@ def repack_state(system_info: str) -> str:
     q4k_default = repack_fused_default("AVX512 = 1" in system_info, vnni)
     q4k_patch = ("0011 with 0018's two-strip AVX-512 kernel" if vnni
                  else "0011 with 0016's AVX2 kernel")
-    q4k = (rows(repack_fused_override(), q4k_default, q4k_patch, REPACK_FUSED_ENV)
+    override = repack_fused_override()
+    q4k = (rows(override, q4k_default, q4k_patch, REPACK_FUSED_ENV)
            if "REPACK = 1" in system_info else "not repacked in this build")
     # ggml's system info names AVX512 (F) alone; every CPU with it that llama.cpp builds for
     # also has the BW subset patch 0017's kernel is compiled with
@@ -74,11 +75,10 @@ def repack_state(system_info: str) -> str:
     q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, q6k_patch, Q6K_FUSED_ENV)
     amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
            "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
-    # patch 0020: a draft's repacked IQ4_NL / Q4_0 weights, 2-3 rows (its catch-ups) at once
-    limit = repack_fused_override()
-    small = ("not repacked in this build" if "REPACK = 1" not in system_info else
-             "upstream's kernels" if limit is not None and limit < 2 else
-             f"batches of 2-3 rows at once, patch 0020 ({REPACK_FUSED_ENV}=0: upstream)")
+    # patch 0020: a draft's repacked IQ4_NL / Q4_0 weights, 2-3 rows (its catch-ups) at once,
+    # under the same switch (its C side takes at most 3 rows whatever the limit)
+    small = (rows(None if override is None else min(override, 3), 3, "0020", REPACK_FUSED_ENV)
+             if "REPACK = 1" in system_info else "not repacked in this build")
     return (f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}; repacked IQ4_NL/Q4_0 "
             f"weights: {small}{amx}")
 

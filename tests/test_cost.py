@@ -374,6 +374,9 @@ def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
     assert "patch 0012 with 0017's AVX-512 kernel (" in repack_state(avx512_info)
     # with VNNI its scale sums are patch 0019's
     assert "patch 0012 with 0017's AVX-512 kernel, 0019's VNNI sums (" in repack_state(vnni_info)
+    # a draft's repacked IQ4_NL/Q4_0: 2-3 rows at once (patch 0020), under the same switch
+    assert "IQ4_NL/Q4_0 weights: batches of 2-3 rows several rows at once, patch 0020" \
+        in repack_state(info)
     feats = provenance._library()[0].split()
     limited = "AVX512" in feats and "AVX512_VNNI" not in feats   # the C default is 15 there
     monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")

@@ -16,9 +16,9 @@ from specee_cpp.spec import variants
 from specee_cpp.spec.cost import CostModel, CostTable
 
 
-def table(draft: float, verify: list[float]) -> CostTable:
+def table(draft: float, verify: list[float], first: float = 0.0) -> CostTable:
     return CostTable([CostModel(target_batch_s=verify, draft_token_s=draft, plain_token_s=1.0,
-                                context=128)])
+                                context=128, draft_first_s=first)])
 
 
 FLAT = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4]       # a GPU-like target
@@ -157,8 +157,7 @@ def test_tied_work_scores_go_to_the_variant_that_pays_from_the_lowest_acceptance
     # (a 2-row catch-up) 1.48, verification of 2-8 as measured; the variant 0.49 of it
     write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.58})
     seen = []
-    shipped = CostTable([CostModel(target_batch_s=ZEN5, draft_token_s=0.67, draft_first_s=1.48,
-                                   plain_token_s=1.0, context=128)])
+    shipped = table(0.67, ZEN5, first=1.48)
     fake_costs(monkeypatch, {"Q4_1": shipped}, seen, ratios={"Q8_0": 0.49})
     cheap = variants.scaled_draft(shipped, 0.49)
     rel = 0.58 / 0.7
@@ -172,9 +171,7 @@ def test_a_tie_with_nothing_paying_anywhere_keeps_the_shipped_draft(
         auto_llm, small_model, tmp_path, monkeypatch):
     write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.4})
     seen = []
-    fake_costs(monkeypatch, {"Q4_1": CostTable([CostModel(
-        target_batch_s=ZEN5, draft_token_s=0.67, draft_first_s=1.48, plain_token_s=1.0,
-        context=128)])}, seen, ratios={"Q8_0": 0.9})
+    fake_costs(monkeypatch, {"Q4_1": table(0.67, ZEN5, first=1.48)}, seen, ratios={"Q8_0": 0.9})
     spec_mode.choose_variant(auto_llm)
     assert auto_llm.draft_path == small_model
 

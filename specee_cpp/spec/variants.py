@@ -161,8 +161,9 @@ def choose(llm, base_name: str, status) -> str:
             # others still compete, and the note says what was left out
             failed.append(f"{spec}: {e}")
             continue
-        scores[spec] = workload_score(scaled_draft(shipped, ratios[spec]), rel[spec])
-        starts[spec] = pays_from(scaled_draft(shipped, ratios[spec]), rel[spec])
+        costs = scaled_draft(shipped, ratios[spec])
+        scores[spec] = workload_score(costs, rel[spec])
+        starts[spec] = pays_from(costs, rel[spec])
     # equal scores (most often all 1.00: nothing pays at the work levels) go to the variant
     # that starts paying at the lowest acceptance, then to the shipped draft. Decided by the
     # shipped one alone, the Zen 5 EPYC's choice flipped on its table's noise: the shipped
