@@ -6,7 +6,7 @@ llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache
 They are built from the llama.cpp sources vendored in the same pinned llama-cpp-python
 sdist as our wheel, without our patches (the peers are what a user would get) but one:
 patch 0003, the compiler barrier without which GCC 12 drops the stores of ggml's AMX tile
-configuration (docs/AMX.md). A stock build dies with SIGILL in its first AMX matrix
+configuration (docs/kernels.md). A stock build dies with SIGILL in its first AMX matrix
 multiply on an AMX CPU (seen on a 2-core Xeon with AMX: `tinygemm_kernel_amx`, exit -4),
 so no peer would run there; the barrier emits no instruction and changes no result, and
 its switch (``GGML_CPU_NO_AMX``) does nothing unless set. Every binary is checked like the

@@ -3,7 +3,7 @@
 
 GCC 12 at -O3 dropped the stores of rows[]/colsb[] into the 64-byte tile configuration of
 ggml's AMX kernels (ggml_tile_config_init), so `ldtilecfg` read stack garbage and faulted
-(docs/AMX.md; fixed by patches/0003). This reads the machine code of a built library or
+(docs/kernels.md; fixed by patches/0003). This reads the machine code of a built library or
 object file (objdump) and, for every `ldtilecfg OFF(%REG)`, looks at the instructions before
 it in the same function for a store of non-zero content into bytes 16..63 of the
 configuration (colsb[] at 16, rows[] at 48). Zeroing the struct and setting palette_id, and

@@ -6,9 +6,9 @@ For each variant of the draft (`NAME:TYPE` requantized with llama.cpp's quantize
 and cached),
 this measures the cost table against the target (`specee-cpp costs`: a draft token in
 target tokens, verification of 2/4/8) and runs `specee-cpp bench` with a fixed draft length
-on held-out dev prompts for the acceptance, then writes one table with this command into
-docs/BENCHMARKS.md. A cheaper draft pays only where verification is cheap enough too: the
-table says which side stops drafting on this machine.
+on held-out dev prompts for the acceptance, writes the acceptance record `NAME:auto` reads
+and prints one table with this command. A cheaper draft pays only where verification is
+cheap enough too: the table says which side stops drafting on this machine.
 
     python scripts/draft_variants.py --variants Q4_K_M,v32k,v16k,v8k,IQ4_NL,IQ4_NL:v16k
 
@@ -41,13 +41,12 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true",
                     help="keep the record's variants not measured now (another machine's)")
     ap.add_argument("--tag", default="",
-                    help="suffix of this run's records and BENCHMARKS.md section (a machine)")
+                    help="suffix of this run's records (a machine)")
     ap.add_argument("--fresh", action="store_true",
                     help="measure acceptance again (default: reuse docs/bench/draft-*.jsonl "
                          "records of this machine and build)")
     ns = ap.parse_args()
 
-    from specee_cpp.bench.report import write_section
     from specee_cpp.bench.suite import BenchOptions, run
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
@@ -101,7 +100,7 @@ def main() -> int:
         from specee_cpp.spec.variants import record_path
 
         rec = record_path(file_sha256(resolve_model(ns.draft)))
-        data = {"draft": ns.draft, "shipped": shipped, "target": ns.target,
+        data = {"format": 1, "draft": ns.draft, "shipped": shipped, "target": ns.target,
                 "variants": accepted, "source": cmd,
                 "split": "held-out Spec-Bench dev prompts (dev data)",
                 "measured_on": describe(where), "date": time.strftime("%Y-%m-%d")}
@@ -127,20 +126,18 @@ def main() -> int:
             data = {**old, "variants": merged, "source": "per variant",
                     "measured_on": "per variant", "date": data["date"]}
         write_text_atomic(rec, json.dumps(data, indent=1) + "\n")
-        heading = "Draft variants for this machine's kernels" + (f" ({ns.tag})" if ns.tag else "")
-        write_section(REPO / "docs" / "BENCHMARKS.md", heading,
-                      f"`{cmd}`: each variant made from the shipped "
-                      f"{ns.draft} ({shipped}): `TYPE` with llama.cpp's quantizer, `vN` with "
-                      f"the LM head cut to the N most frequent tokens (FR-Spec; ranking "
-                      f"from `scripts/head_vocab.py`, dev data + code corpus); costs "
-                      f"from `specee-cpp costs` (128-token context, target "
-                      f"{ns.target}); acceptance and measured speed from `specee-cpp bench "
-                      f"--configs spec-{ns.gamma} --per-category {ns.per_category} "
-                      f"--max-prompt-tokens 256` (held-out dev prompts, {ns.max_tokens} "
-                      f"tokens, its own plain in the same run; records "
-                      f"`docs/bench/draft-*{suffix}.json`). Best predicted: the cost model's best "
-                      f"gamma at that acceptance. Measured on {describe(where)}; "
-                      f"{time.strftime('%Y-%m-%d')}.\n\n{table_md}\n")
+        print(f"`{cmd}`: each variant made from the shipped "
+              f"{ns.draft} ({shipped}): `TYPE` with llama.cpp's quantizer, `vN` with "
+              f"the LM head cut to the N most frequent tokens (FR-Spec; ranking "
+              f"from `scripts/head_vocab.py`, dev data + code corpus); costs "
+              f"from `specee-cpp costs` (128-token context, target "
+              f"{ns.target}); acceptance and measured speed from `specee-cpp bench "
+              f"--configs spec-{ns.gamma} --per-category {ns.per_category} "
+              f"--max-prompt-tokens 256` (held-out dev prompts, {ns.max_tokens} "
+              f"tokens, its own plain in the same run; records "
+              f"`docs/bench/draft-*{suffix}.json`). Best predicted: the cost model's best "
+              f"gamma at that acceptance. Measured on {describe(where)}; "
+              f"{time.strftime('%Y-%m-%d')}.\n\n{table_md}")
     return 0
 
 

@@ -43,23 +43,22 @@ def prompts(edit_step: int):
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The target whose streams are replayed, and the draft that keys the cost table (also
-    scripts/replay_held_out.py's)."""
+    """The target whose streams are replayed, and the draft that keys the cost table."""
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b",
                     help="only for this machine's cost table (measured once, cached)")
 
 
 def add_data_args(ap: argparse.ArgumentParser) -> None:
-    """The options that say which dev streams (also scripts/replay_copy_rules.py's)."""
+    """The options that say which dev streams."""
     add_model_args(ap)
     ap.add_argument("--edit-step", type=int, default=2,
                     help="use every Nth HumanEval dev task (0-81) as a code edit")
 
 
 def stream_cache(llm, prefix: str = "") -> Path:
-    """Where the target's dev streams (``prefix`` "heldout-": scripts/replay_held_out.py's)
-    are cached: $SPECEE_CPP_HOME/copy-profile."""
+    """Where the target's dev streams (``prefix``: another set of streams) are cached:
+    $SPECEE_CPP_HOME/copy-profile."""
     from specee_cpp.paths import home
 
     return home() / "copy-profile" / f"{prefix}{llm.model.sha256[:16]}.jsonl"

@@ -359,6 +359,7 @@ def run_check(out: Path, cpu: bool, budget_s: float, prep: Path = PREP,
                     "platform": platform.platform(), "python": platform.python_version(),
                     "manifest": json.loads((prep / "MANIFEST.json").read_text())
                     if (prep / "MANIFEST.json").exists() else None}
+    report["load"] = steps.run("load probe", load_probe, env, out, gpu, min_left_s=60)
     tests = steps.run("patch tests", run_tests, env, out, min_left_s=60)
     report["tests"] = tests
     shapes = "small" if cpu else "full"
@@ -371,6 +372,80 @@ def run_check(out: Path, cpu: bool, budget_s: float, prep: Path = PREP,
     (out / "gpu_check.md").write_text(markdown(report))
     log(f"wrote {out / 'gpu_check.json'} and gpu_check.md in {report['total_s']:.0f} s")
     return report
+
+
+# ways of loading one tiny model, each in its own process: where the default load crashes,
+# the ones that do not say which part of loading does (extra CPU buffer types, the GPU's
+# pinned host buffers, the mapped file, the architecture query made before loading, our log
+# callback)
+LOAD_VARIANTS = ("default", "cpu-only", "no-extra-bufts", "no-host", "no-mmap",
+                 "no-arch-query", "llama-log")
+
+
+def load_probe(env: dict, out: Path, gpu: bool) -> dict:
+    """Load and decode a tiny model under each of LOAD_VARIANTS in a child process; the exit
+    codes, and the tail of each child's llama.cpp log, go to ``load-probe.log``."""
+    from specee_cpp.models.tiny import write_tiny_model
+
+    model = out / "load-probe.gguf"
+    write_tiny_model(model, arch="qwen2", n_layer=2, seed=3)
+    env = dict(env, SPECEE_CPP_VERBOSE="1")
+    result, lines = {}, []
+    for v in LOAD_VARIANTS:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "load", str(model),
+               "--variant", v] + ([] if gpu else ["--cpu"])
+        try:
+            r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=180)
+            rc, said, log_tail = r.returncode, r.stdout, r.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, said, log_tail = "timeout", e.stdout or "", e.stderr or ""
+            said, log_tail = [x.decode(errors="replace") if isinstance(x, bytes) else x
+                              for x in (said, log_tail)]
+        result[v] = rc
+        # how far it got (stdout), then the end of llama.cpp's log (stderr)
+        lines += ([f"== {v}: exit {rc}"] + said.strip().splitlines()
+                  + log_tail.strip().splitlines()[-40:])
+    if gpu and result["default"] != 0 and shutil.which("gdb"):
+        cmd = ["gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 30", "--args", sys.executable,
+               str(Path(__file__).resolve()), "load", str(model), "--variant", "default"]
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+        lines += ["== default under gdb"] + (r.stdout + r.stderr).strip().splitlines()[-60:]
+    (out / "load-probe.log").write_text("\n".join(lines) + "\n")
+    model.unlink()
+    log("load probe: " + ", ".join(f"{k} {v}" for k, v in result.items()))
+    return result
+
+
+def load_child(model: str, variant: str, gpu: bool) -> None:
+    """One load and decode of ``model`` the way ``variant`` says (a child of load_probe)."""
+    from specee_cpp.bindings import Batch, Context, Model, _ffi
+    from specee_cpp.bindings import llama as wrappers
+
+    ll = wrappers.ll
+    if variant == "no-host":
+        default_params = ll.llama_model_default_params
+
+        def params():
+            p = default_params()
+            p.no_host = True
+            return p
+        ll.llama_model_default_params = params
+    elif variant == "no-arch-query":
+        _ffi.llama_specee_arch_supported = lambda name: True
+    elif variant == "llama-log":
+        ll.llama_log_set(ll.llama_log_callback(0), None)   # llama.cpp's own stderr log
+    kw = dict(n_gpu_layers=0 if variant == "cpu-only" or not gpu else -1,
+              use_extra_bufts=variant != "no-extra-bufts", use_mmap=variant != "no-mmap")
+    print(f"loading {model} with {kw}", flush=True)
+    m = Model(model, **kw)
+    print("loaded", flush=True)
+    ctx = Context(m, n_ctx=64, n_batch=16, n_threads=2)
+    b = Batch(16)
+    b.set([1, 40, 41, 42], 0)
+    ctx.decode(b)
+    print("decoded", flush=True)
 
 
 def run_tests(env: dict, out: Path) -> dict:
@@ -420,7 +495,6 @@ def tensor_types(path: Path) -> dict[str, int]:
 def measure(out: Path, shapes: str, jobs: int) -> dict:
     """Models of the pair's shapes, their cost table with every layer offloaded, the staged
     decode's exits and probes, and the controller replay with those costs."""
-    from specee_cpp.bindings import Batch
     from specee_cpp.bindings.quantize import quantize
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.attention import choose
@@ -456,7 +530,7 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
             res["times_s"]["cost table"] = round(clock() - t, 1)
             res["costs"] = [cost_summary(p) for p in table.points]
             t = clock()
-            res["staged"] = staged_costs(llm, tokens, Batch)
+            res["staged"] = staged_costs(llm, tokens)
             res["times_s"]["staged exits and probes"] = round(clock() - t, 1)
             res["replay"] = replay(table.points[0], llm.model.bits_per_weight)
     (out / "measure.json").write_text(json.dumps(res, indent=1))
@@ -473,11 +547,55 @@ def cost_summary(cm) -> dict:
                     "plain_token_s": cm.plain_token_s, "draft_first_s": cm.draft_first_s}}
 
 
-def staged_costs(llm, tokens: list[int], Batch, n_tokens: int = 32) -> dict:
-    """Seconds per token of the staged decode's configurations, as ratios to plain decoding
-    timed in the same loop (bench_staged.py's configurations, scaled to the layer count)."""
-    from bench_staged import staged_configs, time_staged
+# probes and exits of the staged decode, at the layers of the 28-layer target (scaled to
+# another layer count): probes where SpecEE's predictors fire, exits from early to late
+PROBE_LAYERS_28 = [13, 15, 17, 19, 21, 23, 25, 26]
+EXIT_LAYERS_28 = [8, 14, 20, 24, 27]
 
+
+def staged_configs(n_layer: int) -> dict:
+    """name -> (kind, argument): plain decoding, the staged decode in one segment, 8 probed
+    segments, and exits at five layers with and without the LM head."""
+    scale = n_layer / 28
+    probes = sorted({min(n_layer - 2, round(l * scale)) for l in PROBE_LAYERS_28})
+    exits = sorted({min(n_layer - 1, round(l * scale)) for l in EXIT_LAYERS_28})
+    cfg = {"plain": ("plain", None), "staged-full": ("segments", [n_layer]),
+           "probes-8": ("segments", probes + [n_layer])}
+    for l in exits:
+        cfg[f"exit-{l}+head"] = ("exit", (l, True))
+        cfg[f"exit-{l}"] = ("exit", (l, False))
+    return cfg
+
+
+def time_staged(ctx, seq_tokens, kind, arg, n_tokens, cand) -> float:
+    """Seconds per token of ``n_tokens`` single-token decodes of one configuration after
+    ``seq_tokens``; the KV cache is left as it was."""
+    from specee_cpp.bindings import Batch
+
+    b = Batch(1)
+    n = len(seq_tokens)
+    t0 = time.perf_counter()
+    for i in range(n_tokens):
+        b.set([seq_tokens[i % n]], n + i)
+        if kind == "plain":
+            ctx.decode(b)
+        elif kind == "segments":
+            ctx.stage_begin(b)
+            for il in arg:
+                ctx.stage_run(il, cand)
+        else:
+            layer, head = arg
+            ctx.stage_begin(b)
+            ctx.stage_run(layer, cand)
+            ctx.stage_exit(full_head=head)
+    dt = (time.perf_counter() - t0) / n_tokens
+    ctx.seq_rm(n)
+    return dt
+
+
+def staged_costs(llm, tokens: list[int], n_tokens: int = 32) -> dict:
+    """Seconds per token of the staged decode's configurations, as ratios to plain decoding
+    timed in the same loop."""
     ctx = llm.tgt.ctx
     seq = llm.tgt.seq
     seq.rewind(0)
@@ -533,6 +651,9 @@ def markdown(r: dict) -> str:
              f"Steps (s): " + ", ".join(f"{k} {v}" for k, v in r["steps_s"].items())
              + (f"; skipped for time: {', '.join(r['skipped'])}" if r["skipped"] else "") + ".",
              ""]
+    if r.get("load"):
+        lines += ["Load probe (exit code per way of loading a tiny model): "
+                  + ", ".join(f"{k} {v}" for k, v in r["load"].items()) + ".", ""]
     t = r.get("tests") or {}
     lines += [f"Patch tests (every layer offloaded where a GPU is): exit {t.get('returncode')}, "
               f"`{t.get('summary')}`.", ""]
@@ -580,24 +701,27 @@ def publish(folder: Path | None) -> None:
         raise SystemExit(f"error: no gpu_check.json in {folder}: name a run's output folder")
     dest = REPO / "docs" / "gpu"
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("gpu_check.json", "gpu_check.md", "patch-tests.log", "measure.log"):
+    for name in ("gpu_check.json", "gpu_check.md", "load-probe.log", "patch-tests.log",
+                 "measure.log"):
         if (folder / name).is_file():
             shutil.copyfile(folder / name, dest / name)
-    from _report import write_section
+    from specee_cpp.bench.report import write_section
 
     body = (folder / "gpu_check.md").read_text().split("\n", 1)[1].strip()
-    write_section("GPU check: measured costs and controller replay",
-                  "Command: `python3 scripts/gpu_check.py run --out $OUT/gpu-check` on a "
-                  "lent GPU machine (docs/gpu-check.md); raw output in `docs/gpu/`.\n\n"
-                  + body + "\n")
+    write_section(REPO / "docs" / "BENCHMARKS.md", "GPU",
+                  "`python3 scripts/gpu_check.py run` (docs/gpu-check.md); raw output in "
+                  "`docs/gpu/`.\n\n" + body + "\n")
     log(f"published {folder} to {dest} and docs/BENCHMARKS.md")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", nargs="?", choices=["prepare", "run", "measure", "publish"],
+    ap.add_argument("step", nargs="?", choices=["prepare", "run", "measure", "publish", "load"],
                     default="run")
-    ap.add_argument("folder", nargs="?", type=Path, help="publish: the run's output folder")
+    ap.add_argument("folder", nargs="?", type=Path,
+                    help="publish: the run's output folder; load: the model")
+    ap.add_argument("--variant", choices=LOAD_VARIANTS, default="default",
+                    help="load: how to load (one of the load probe's ways)")
     ap.add_argument("--cpu", action="store_true",
                     help="CPU backend, small shapes (prepares first): the path CI tests")
     ap.add_argument("--out", type=Path, default=REPO / "gpu-check-out")
@@ -614,6 +738,9 @@ def main() -> int:
         return 0
     if ns.step == "publish":
         publish(ns.folder)
+        return 0
+    if ns.step == "load":
+        load_child(str(ns.folder), ns.variant, gpu=not ns.cpu)
         return 0
     if ns.step == "measure":
         measure(ns.out, ns.shapes, ns.jobs or os.cpu_count() or 2)

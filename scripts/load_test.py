@@ -3,10 +3,10 @@
 Starts the server (a free local port), lets each client send streamed chat requests with dev
 prompts back to back until the time is up (requests already sent are waited for), and reports
 requests completed, refused and lost, latency and time to first token (p50/p95), and the
-server's own counters. ``--write`` puts the table, with the command that made it, into
-docs/BENCHMARKS.md.
+server's own counters, as JSON and, with ``--markdown``, as a table with the command that
+made it.
 
-    python scripts/load_test.py --clients 4 --seconds 60 --write
+    python scripts/load_test.py --clients 4 --seconds 60 [--markdown]
 """
 from __future__ import annotations
 
@@ -50,8 +50,6 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> None:
-    from _report import TAG_HELP, tagged, write_section   # scripts/, this script's folder
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="default: the registry's default pair")
     ap.add_argument("--draft")
@@ -59,8 +57,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--write", action="store_true", help="write the table to docs/BENCHMARKS.md")
-    ap.add_argument("--tag", default="", help=TAG_HELP)
+    ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = ap.parse_args()
     if not 1 <= args.clients <= 32 or not 1 <= args.seconds <= 600:
         sys.exit("error: --clients must be 1..32 and --seconds 1..600 (a local, bounded test)")
@@ -137,7 +134,7 @@ def main() -> None:
         "server": health, "machine": describe(machine(default_threads())),
     }
     print(json.dumps(summary, indent=1))
-    if args.write:
+    if args.markdown:
         cmd = "python scripts/load_test.py " + " ".join(sys.argv[1:])
         s = summary
         body = (f"Command: `{cmd}`\n\n"
@@ -159,8 +156,7 @@ def main() -> None:
                 f"request at a time it grows with the number of clients (about clients x one "
                 f"request's time); tokens/s is generated tokens over the wall time, which also "
                 f"pays for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
-        write_section(tagged("Server under load (`specee-cpp serve`, concurrent clients)",
-                             args.tag), body)
+        print(body)
     if lost:
         sys.exit(f"error: {lost} requests lost")
 

@@ -8,9 +8,9 @@
    specee_cpp/bundles/;
 4. simulate every policy by replaying the profiled rounds (cross-fitted: each prompt's
    rounds are replayed by a controller fitted without that prompt) with this machine's
-   measured costs per level and with a GPU-like cost shape -> docs/BENCHMARKS.md;
+   measured costs per level and with a GPU-like cost shape (a table on stdout);
 5. optionally (--measure) run `specee-cpp bench` per level on held-out prompts with the
-   fixed gammas, the baselines and ours -> docs/BENCHMARKS.md.
+   fixed gammas, the baselines and ours (a table on stdout; records in docs/bench/).
 
 Every step skips what is already there, so an interrupted run resumes.
 
@@ -88,10 +88,7 @@ def main() -> int:
 
 
 def publish(heading: str, body: str) -> None:
-    from specee_cpp.bench.report import write_section
-
-    write_section(REPO / "docs" / "BENCHMARKS.md", heading, body)
-    print(body)
+    print(f"## {heading}\n\n{body}")
 
 
 def command() -> str:

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.table import Table
@@ -199,18 +200,29 @@ def _sources(by_source: dict[str, list[int]]) -> str:
     return "; " + ", ".join(f"{k} {a}/{d}" for k, (d, a) in sorted(by_source.items()))
 
 
-def _stats_line(stats) -> str:
-    parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s",
-             f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s"]
+def _stats_line(stats, verbose: bool = False) -> str:
+    """One line after an answer: tokens, speed and, where drafted, the share kept (or the
+    share of tokens that exited early); ``verbose`` adds the prefill, who drafted, the mean
+    exit layer and the mode's note (what it chose for this machine and why)."""
+    parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s"]
+    if verbose:
+        parts.append(f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s")
     if stats.n_drafted:
         parts.append(f"drafted {stats.n_drafted}, accepted {stats.n_accept} "
-                     f"({stats.acceptance:.0%}{_sources(stats.by_source)})")
+                     f"({stats.acceptance:.0%}{_sources(stats.by_source)})" if verbose
+                     else f"{stats.acceptance:.0%} of {stats.n_drafted} drafted kept")
     n_exit = sum(stats.exit_layers.values())
     if n_exit:
         mean = sum(k * v for k, v in stats.exit_layers.items()) / n_exit
-        parts.append(f"exits {n_exit / max(stats.n_gen, 1):.0%} at mean layer {mean:.1f}")
+        share = f"exits {n_exit / max(stats.n_gen, 1):.0%}"
+        parts.append(f"{share} at mean layer {mean:.1f}" if verbose else f"{share} early")
     line = ", ".join(parts)
-    return f"{line}; {stats.note}" if stats.note else line
+    return f"{line}; {stats.note}" if verbose and stats.note else line
+
+
+OptVerbose = typer.Option(False, "--verbose", "-v",
+                          help="After each answer, also what was chosen for this machine and "
+                               "why (prefill, drafts by source, exits, the mode's note).")
 
 
 # ---- generate / chat ------------------------------------------------------------------------
@@ -226,6 +238,7 @@ def generate(
     seed: int = OptSeed,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
+    verbose: bool = OptVerbose,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     flags: ModeFlags = None,
 ) -> None:
@@ -249,7 +262,7 @@ def generate(
                               "tokens": done.tokens, "stats": done.stats.as_dict()}))
         else:
             out.print()
-            err.print(f"[dim]{_stats_line(done.stats)}[/dim]")
+            err.print(f"[dim]{escape(_stats_line(done.stats, verbose))}[/dim]")
 
 
 @app.command()
@@ -262,6 +275,7 @@ def chat(
     max_tokens: int = typer.Option(1024, "--max-tokens", "-n", help="Most tokens per reply."),
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
+    verbose: bool = OptVerbose,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     flags: ModeFlags = None,
 ) -> None:
@@ -305,7 +319,7 @@ def chat(
             out.print()
             messages.append({"role": "assistant", "content": reply.text})
             if reply.stats is not None:
-                err.print(f"[dim]{_stats_line(reply.stats)}[/dim]")
+                err.print(f"[dim]{escape(_stats_line(reply.stats, verbose))}[/dim]")
 
 
 @app.command()
@@ -651,9 +665,7 @@ def bench(
         help="Skip the prompts `calibrate --n-prompts N` fits on (0: keep all)."),
     out_prefix: str = typer.Option("bench/run", "--out",
                                    help="Output prefix: .jsonl (raw), .json, .md, .png."),
-    benchmarks: Optional[Path] = typer.Option(None, "--benchmarks",
-                                              help="Also write the table into this markdown file."),
-    title: str = typer.Option("", "--title", help="Section heading in --benchmarks."),
+    title: str = typer.Option("", "--title", help="Title of the chart and the report."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard earlier records under --out."),
     repeats: int = typer.Option(1, "--repeats",
                                 help="Measure every (prompt, configuration) this many times, "
@@ -688,7 +700,7 @@ def bench(
         def progress(done: int, total: int, desc: str) -> None:
             bar.update(task, completed=done, total=total, description=desc)
 
-        summary = run(opts, progress, benchmarks_md=benchmarks, title=title)
+        summary = run(opts, progress, title=title)
     table = Table(title=f"specee-cpp bench: {summary['prompts']} prompts")
     for col in ("configuration", "tok/s", "speed-up", "end to end", "acceptance",
                 "identical to plain"):

@@ -24,8 +24,8 @@ MAX_EXIT_ERROR = 0.01
 MAX_GAMMA = 8         # longest draft the draft-length policies consider
 MAX_VERIFY = 16       # largest target batch the cost model measures one by one (15 drafts)
 # free drafts from the context may run longer: a long copy verified in one batch of up to 64
-# (on a 2-core CPU a row of a 48-row batch costs 0.41 of a token, of a 16-row one 0.51:
-# scripts/verify_cost_probe.py), measured at these sizes and interpolated between them
+# (on a 2-core CPU a row of a 48-row batch costs 0.41 of a token, of a 16-row one 0.51),
+# measured at these sizes and interpolated between them
 LONG_BATCHES = (24, 32, 48, 64)
 MAX_FREE_VERIFY = LONG_BATCHES[-1]
 FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked

@@ -1,7 +1,7 @@
 """Crash probe: one short decode of a tiny quantized model in a child process.
 
 A libllama built for the wrong CPU, or one whose kernels fault on this CPU (the AMX tile
-configuration that GCC 12 miscompiled, see docs/AMX.md), does not raise: it kills the
+configuration that GCC 12 miscompiled, see docs/kernels.md), does not raise: it kills the
 process. Set-up (scripts/bootstrap.py) and `specee-cpp doctor` run this probe in a child, so
 that such a build stops set-up with one line instead of crashing on the user's first prompt.
 

@@ -142,12 +142,12 @@ def machine(n_threads: int) -> dict:
             "amx": "absent" if "AMX_INT8" not in feats else
             ("off" if amx_switched_off() else _amx_on()),
             "pages": thp if huge_pages_wanted() else f"{thp}, off",
-            # a row limit set by hand moves the price of verifying a few tokens (docs/AMX.md,
+            # a row limit set by hand moves the price of verifying a few tokens (docs/kernels.md,
             # "x86 without AMX"); only then is it part of the machine, so that tables
             # measured before the variables existed keep their key
             **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {}),
-            # the weights' prefetch set by hand moves a plain token by 8-19% (docs/AMX.md,
-            # "x86: weights asked for ahead"); recorded only then, as the row limits are
+            # the weights' prefetch set by hand moves a plain token by 8-19% (docs/kernels.md,
+            # "Every x86 CPU"); recorded only then, as the row limits are
             **({"prefetch": f"{PREFETCH_ENV}={pf}"} if (pf := prefetch_set()) is not None
                else {})}
 
@@ -160,7 +160,7 @@ def row_limits_set() -> list[str]:
 
 def _amx_on() -> str:
     # a row limit other than the default is another machine for the cost cache: it moves
-    # the price of verifying 2-8 tokens by up to a third (docs/AMX.md)
+    # the price of verifying 2-8 tokens by up to a third (docs/kernels.md)
     rows, fused = amx_rows_override(), amx_fused_override()
     return ", ".join(["on"] + ([f"{AMX_ROWS_ENV}={rows}"] if rows is not None else [])
                      + ([f"{AMX_FUSED_ENV}={fused}"] if fused is not None else []))

@@ -278,9 +278,9 @@ def test_bench_command_is_built_from_its_options():
 
     opts = BenchOptions(model="m", draft="d", configs="plain,spec-2", max_tokens=32,
                         out="x y/run", fresh=True)
-    assert opts.command(Path("B.md"), "T 1") == (
+    assert opts.command("T 1") == (
         "specee-cpp bench m --draft d --configs plain,spec-2 --max-tokens 32 --out 'x y/run' "
-        "--fresh --benchmarks B.md --title 'T 1'")
+        "--fresh --title 'T 1'")
     assert BenchOptions(model="m").command() == "specee-cpp bench m"
 
 
@@ -313,8 +313,7 @@ def test_bench_end_to_end(small_model, tmp_path):
                         max_tokens=12, exclude_calibration=0, out=str(tmp_path / "out" / "q"),
                         threads=2, n_ctx=512)
     seen = []
-    s = run(opts, lambda d, t, desc: seen.append((d, t)),
-            benchmarks_md=tmp_path / "B.md", title="Tiny")
+    s = run(opts, lambda d, t, desc: seen.append((d, t)), title="Tiny")
     assert s["prompts"] == 2 and seen[-1] == (10, 10)
     for name in ("plain", "spec-2", "lcpp-ngram-simple", "lcpp-lookup", "pld"):
         e = s["configs"][name]
@@ -338,7 +337,9 @@ def test_bench_end_to_end(small_model, tmp_path):
     assert all(r.by_source is None for r in recs if r.config != "spec-2")
     for ext in (".json", ".md", ".png", ".jsonl"):
         assert (tmp_path / "out" / ("q" + ext)).is_file()
-    assert "## Tiny" in (tmp_path / "B.md").read_text()
+    # a run writes only under its --out
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "q.json", "q.jsonl", "q.md", "q.png", "q.settings.json"]
     # a second run resumes: nothing left to measure, same records
     again = run(opts)
     assert len(load_records(tmp_path / "out" / "q.jsonl")) == 10

@@ -21,7 +21,7 @@ def _ctx(path, n_ctx=128):
 
 def test_a_closed_model_or_context_raises_instead_of_crashing(tiny_llama):
     """Used after close (a script calling the pair after its ``with`` block), the freed
-    pointers reached llama.cpp: round_costs.py segfaulted in bits_per_weight."""
+    pointers would reach llama.cpp and segfault (in bits_per_weight, say)."""
     model, ctx = _ctx(tiny_llama)
     toks = model.tokenize("the cat", add_special=True)
     Sequence(ctx).decode(toks)
@@ -158,7 +158,7 @@ def test_all_logits_match_one_by_one(tiny_llama):
 
 
 def test_flash_attention_can_be_switched_per_context(small_model):
-    # scripts/attention_cost.py times both settings: each must really be the one asked for.
+    # the draft's attention choice times both settings: each must really be the one asked for.
     # With flash attention the CPU kernel accumulates V in f16, without it the product is in
     # f32, so the logits differ (here ~13% of their spread on SmolLM2; not at all would mean
     # the switch did nothing, a broken attention would be off by about 100%)

@@ -169,7 +169,14 @@ def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
     doc = json.loads(r.stdout)
     assert doc["mode"] == "spec" and doc["tokens"] == json.loads(plain.stdout)["tokens"]
     assert "no draft-length controller" in doc["stats"]["note"]
+    # after the answer one line by default: tokens, speed, the share of drafts kept
     r = run("generate", small_model, "--draft", draft, "--gamma", "2", "-p", "hi", "-n", "8")
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 0 and "tok/s" in line and "drafted kept" in line, r.stderr
+    assert f"draft {draft.name}" not in r.stderr and len(line) < 80
+    # the detail under --verbose: who drafted, and what the mode chose and why
+    r = run("generate", small_model, "--draft", draft, "--gamma", "2", "-p", "hi", "-n", "8",
+            "--verbose")
     assert "drafted" in r.stderr and f"draft {draft.name}, gamma 2" in r.stderr
     assert "all from the model" in r.stderr
     assert_one_line_error(run("generate", small_model, "--draft", small_model, "--mode", "spec",
@@ -178,7 +185,7 @@ def test_profile_fit_controller_and_gamma_auto(small_model, tmp_path):
 
 def test_costs_says_what_would_make_drafting_pay(tiny_qwen2):
     # the cost table of a pair, and for each acceptance the dearest draft token that would
-    # still pay (issue 12: where a goal is out of reach, the table shows what would reach it)
+    # still pay (where a goal is out of reach, the table shows what would reach it)
     r = run("costs", tiny_qwen2, "--draft", tiny_qwen2)
     assert r.returncode == 0, r.stderr
     assert "pays with a draft token up to" in r.stdout

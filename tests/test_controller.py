@@ -15,14 +15,14 @@ from specee_cpp.errors import SpeceeError
 CPU = CostModel([0.034 * x for x in (1.0, 1.68, 2.27, 2.77, 3.5, 4.15, 4.64, 6.44, 7.05, 7.4,
                                       8.09, 8.3, 8.39, 9.2, 9.6, 8.34)], 0.593 * 0.034)
 GPU = simulate.gpu_like(CPU, bpw=4.85)
-# the 2-core AVX2 EPYC's with patch 0016 (session 38, `specee-cpp costs`, 128 tokens of
+# the 2-core AVX2 EPYC's with patch 0016 (`specee-cpp costs`, 128 tokens of
 # context): verify 2/4/8/16 = 1.30/1.91/3.80/6.06 plain tokens, a draft token (IQ4_NL) 0.43,
 # a round's first 0.66: drafting pays from 90% acceptance
 EPYC_S38 = CostModel([0.0438 * x for x in (0.994, 1.302, 1.641, 1.914, 2.432, 2.766, 2.972,
                                            3.796, 3.787, 3.785, 4.662, 4.335, 5.502, 5.428,
                                            5.686, 6.055)],
                      0.431 * 0.0438, plain_token_s=0.0438, draft_first_s=0.663 * 0.0438)
-# the AMX Xeon's (session 12): verify 2/4/8/16 = 1.61/1.77/2.02/2.70, a draft token 0.43
+# the AMX Xeon's: verify 2/4/8/16 = 1.61/1.77/2.02/2.70, a draft token 0.43
 XEON = CostModel([0.084 * x for x in (1.0, 1.61, 1.69, 1.77, 1.83, 1.89, 1.95, 2.02, 2.1,
                                       2.18, 2.26, 2.34, 2.42, 2.5, 2.6, 2.70)], 0.43 * 0.084)
 
@@ -430,7 +430,7 @@ def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
 
 def test_a_draft_that_pays_only_near_full_acceptance_is_left_out():
     """A cost-aware run keeps the draft model only where some acceptance of the work levels
-    (0.6-0.9) is predicted to gain 5%: on session 38's EPYC table the draft can pay (at 90%+,
+    (0.6-0.9) is predicted to gain 5%: on that AVX2 EPYC's table the draft can pay (at 90%+,
     1.0002x at 0.9), and holding it cost spec-auto 9-14% in two first-turn categories with no
     model-drafted token kept."""
     from dataclasses import replace

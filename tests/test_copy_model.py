@@ -12,7 +12,6 @@ from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_repor
                                         samples, simulate)
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.spec.suffix import ContextSource
-from scripts_path import scripts_on_path
 
 FLAT = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1)       # a GPU's verification
 STEEP = CostModel([1.0 + 0.8 * i for i in range(16)], 0.6)       # this CPU's, roughly
@@ -362,26 +361,6 @@ def test_a_long_copy_is_drafted_whole_within_the_limit():
     assert capped.rounds >= -(-(len(out) - 1) // MAX_FREE_VERIFY)
 
 
-def test_held_out_replay_streams_share_no_prompt_with_the_fitting_data():
-    with scripts_on_path():
-        from fit_copy_model import prompts as fitting_prompts
-        from replay_held_out import held_out_prompts
-    fitted = {p.id for p, _ in fitting_prompts(edit_step=1)}   # every dev task, the most
-    held = held_out_prompts(per_category=8, turn2=12)
-    ids = [p.id for p, _ in held]
-    assert len(ids) == len(set(ids)) == 82 + 6 * 8 + 12
-    assert not fitted & set(ids)
-    # the conversations of second turns are outside the pool too (their first turns)
-    assert not fitted & {p.id.rsplit(":t", 1)[0] for p, _ in held if p.earlier}
-    assert {n for p, n in held if p.category == "code_edit"} == {192}
-    # a quicker replay over fewer code edits, never over a dev task
-    few = held_out_prompts(per_category=1, turn2=0, edits="82-89")
-    assert [p.id for p, _ in few if p.category == "code_edit"] == [
-        f"HumanEval/{k}:edit" for k in range(82, 90)]
-    with pytest.raises(SystemExit, match="dev tasks"):
-        held_out_prompts(per_category=1, turn2=0, edits="80-85")
-
-
 def test_a_long_copy_counts_on_the_fitted_break_rate():
     """A copy model carries how often followed copies broke off in its fitting streams
     (copy_break_rate); the long-copy rule expects each further token with 1 minus that, so
@@ -448,21 +427,3 @@ def test_an_answers_first_free_draft_is_rated_as_often_as_it_was_accepted(tmp_pa
     # a bundle fitted before the scale was kept predicts with its nets alone
     old = CopyModel(model.nets, {k: v for k, v in model.meta.items() if k != "first_scale"})
     assert np.allclose(old.predict(X), nets, rtol=1e-12, atol=1e-15)
-
-
-def test_replay_bench_varies_the_drafters_settings_it_names():
-    """scripts/replay_bench.py --set NAME=V1,V2: one variant per value of a numeric setting
-    of the drafter, typed like the setting ('off' only for the copy prior); anything else is
-    refused with the setting it got."""
-    with scripts_on_path():
-        from replay_bench import label, variants
-    got = variants(["FOLLOW_MIN=8,24", "follow_hits=0.7", "COPY_PRIOR=off,3"], ContextSource)
-    assert got == [("FOLLOW_MIN", 8), ("FOLLOW_MIN", 24), ("FOLLOW_HITS", 0.7),
-                   ("COPY_PRIOR", 1e12), ("COPY_PRIOR", 3.0)]
-    assert isinstance(got[0][1], int) and [label(*v) for v in got[2:4]] == [
-        "FOLLOW_HITS 0.7", "COPY_PRIOR off"]
-    for bad, says in [("FOLLOW_MIN=8.5", "whole numbers"), ("NOPE=1", "NOPE=1"),
-                      ("FOLLOW_MIN", "NAME=V1"), ("FOLLOW_HITS=high", "'high'"),
-                      ("BANDS=1", "BANDS=1"), ("FOLLOW_HITS=off", "'off'")]:
-        with pytest.raises(ValueError, match=says):
-            variants([bad], ContextSource)

@@ -11,7 +11,6 @@ from specee_cpp.spec.mode import SpecOptions, cost_model
 from specee_cpp.spec.cost import CostModel
 from specee_cpp.engine.llm import LLM
 from tiny_gguf import write_tiny_model
-from scripts_path import scripts_on_path
 
 CPU = CostModel(target_batch_s=[1.0, 1.55, 1.78, 2.37, 2.68, 3.23, 4.2, 5.3], draft_token_s=0.6)
 GPU = CostModel(target_batch_s=[1.0 + 0.02 * i for i in range(16)], draft_token_s=0.1)
@@ -199,27 +198,6 @@ def test_measure_pairs_each_sample_with_a_plain_reference():
     assert tgt.tokens == list(range(10)) and dft.tokens == list(range(10))
 
 
-def test_cost_spread_script_reports_each_measurement_and_the_spread(tmp_path, monkeypatch,
-                                                                    capsys):
-    import sys
-
-    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
-    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
-    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
-    with scripts_on_path():
-        import cost_spread
-    monkeypatch.setattr(sys, "argv", ["cost_spread.py", str(t), "--draft", str(d),
-                                      "--times", "2", "--repeats", "1", "--context", "32"])
-    assert cost_spread.main() == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert f"measurement version {cost.MEASURE_VERSION}; 2 measurements" in lines[0]
-    rows = [ln.split(" | ") for ln in lines[2:]]
-    assert len(rows) == 3 and rows[-1][0] == "spread"
-    assert all(len(r) == 2 + len(cost_spread.SIZES) for r in rows)
-    assert all(float(x) > 0 for r in rows[:2] for x in r)   # plain ms and ratios
-    assert all(x.endswith("%") for x in rows[-1][1:])
-
-
 def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, monkeypatch):
     from specee_cpp.spec.mode import cost_model_shown
 
@@ -253,49 +231,6 @@ def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, mon
     from specee_cpp.engine.modes import no_status
     with LLM(t, draft=d, config=LoadConfig(n_ctx=256, n_batch=32, n_threads=1)) as llm:
         assert cost_model_shown(llm, no_status, "costs") == table
-
-
-def test_verify_curve_script_prints_a_ratio_per_size(tmp_path, monkeypatch, capsys):
-    import sys
-
-    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
-    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
-    with scripts_on_path():
-        import verify_curve
-    assert verify_curve.sizes("3-5") == [3, 4, 5] and verify_curve.sizes("7") == [7]
-    monkeypatch.setattr(sys, "argv", ["verify_curve.py", str(t), "--sizes", "1-6",
-                                      "--repeats", "2", "--context", "16"])
-    assert verify_curve.main() == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert "16-token context" in lines[0] and lines[1].startswith("n |")
-    rows = [ln.split(" | ") for ln in lines[2:]]
-    assert [int(r[0]) for r in rows] == list(range(1, 7))
-    assert all(float(r[1]) > 0 for r in rows)
-
-
-def test_prefetch_ab_script_times_each_distance_and_restores_the_shipped_one(
-        tmp_path, monkeypatch, capsys):
-    import sys
-
-    from specee_cpp.bindings import cpu_prefetch_bytes
-
-    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
-    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
-    with scripts_on_path():
-        import prefetch_ab
-    shipped = cpu_prefetch_bytes()
-    monkeypatch.setattr(sys, "argv", ["prefetch_ab.py", str(t), "--distances", "0,4608,64",
-                                      "--sizes", "1,3", "--repeats", "2", "--context", "16"])
-    assert prefetch_ab.main() == 0
-    assert cpu_prefetch_bytes() == shipped
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert f"shipped distance {shipped}" in lines[0] and "16-token context" in lines[0]
-    assert lines[1] == "| rows | 0 B: ms (ratio) | 4608 B: ms (ratio) | 64 B: ms (ratio) |"
-    rows = [ln.strip("| ").split(" | ") for ln in lines[3:]]
-    assert [int(r[0]) for r in rows] == [1, 3]
-    assert all(cell.endswith("(1.000)") for cell in (r[1] for r in rows))   # the reference
-    monkeypatch.setattr(sys, "argv", ["prefetch_ab.py", str(t), "--sizes", "1,x"])
-    assert prefetch_ab.main() == 2
 
 
 def test_cache_writes_are_whole_or_absent(tmp_path, monkeypatch):

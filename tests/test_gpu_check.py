@@ -43,7 +43,11 @@ def test_gpu_check_cpu_path(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((out / "gpu_check.json").read_text())
     assert rep["backend"] == "CPU" and not rep["skipped"]
-    assert set(rep["steps_s"]) == {"unpack", "build", "patch tests", "measure"}
+    assert set(rep["steps_s"]) == {"unpack", "build", "load probe", "patch tests", "measure"}
+    # every way of loading the probe's model loads and decodes on the CPU backend
+    assert rep["load"] == {v: 0 for v in ("default", "cpu-only", "no-extra-bufts", "no-host",
+                                         "no-mmap", "no-arch-query", "llama-log")}
+    assert "decoded" in (out / "load-probe.log").read_text()
     assert rep["tests"]["returncode"] == 0 and "passed" in rep["tests"]["summary"]
     man = rep["manifest"]
     assert man["files_kept"] < man["files_in_sdist"] and man["total_bytes"] < 48 * 2**20

@@ -1,5 +1,5 @@
 """Guard: drafted rounds that run slower than plain send the policy to plain decoding for a
-backoff that doubles while probes keep losing (issue 11: Guard had no test).
+backoff that doubles while probes keep losing.
 Seen failing with planted bugs: observe() a no-op; gate() a pass-through; the backoff not
 doubled; plain speed not learned from plain steps."""
 from specee_cpp.spec.policies import Guard

@@ -3,17 +3,37 @@ choice between mapping the file and a private copy, and on a real model that the
 ggml's buffers do land on 2 MiB pages and that the output does not depend on where they are."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from specee_cpp import memory
-from scripts_path import scripts_on_path
+
+# our plain loop in a fresh process: page settings are per process (the patched ggml reads
+# SPECEE_CPP_HUGEPAGES when it allocates, llama.cpp maps or reads the weights at load)
+CHILD = r"""
+import json, sys
+from specee_cpp.config import LoadConfig
+from specee_cpp.engine.llm import LLM
+from specee_cpp.memory import anon_huge_bytes
+model, mmap = sys.argv[1], sys.argv[2] == "1"
+with LLM(model, config=LoadConfig(mmap=mmap, n_ctx=512)) as llm:
+    r = llm.generate(sys.stdin.read(), chat=False, max_tokens=16, mode="plain")
+    held = anon_huge_bytes()
+print(json.dumps({"tokens": r.tokens, "huge": held, "after": anon_huge_bytes()}))
+"""
 
 
-def load_pages_check():
-    """scripts/pages_check.py as a module (its fresh-process runs of our loop)."""
-    with scripts_on_path():
-        import pages_check
-    return pages_check
+def child_run(model: str, mmap: bool, huge_pages: bool) -> dict:
+    env = dict(os.environ, SPECEE_CPP_HUGEPAGES="1" if huge_pages else "0")
+    r = subprocess.run([sys.executable, "-c", CHILD, model, "1" if mmap else "0"],
+                       input="The capital of France is", capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_thp_mode_reads_the_bracketed_policy(tmp_path):
@@ -53,16 +73,12 @@ def test_buffers_on_huge_pages_and_output_unchanged(small_model):
     """A private copy of the weights lands on huge pages (the patch's advice; under THP
     "madvise" nothing else would put it there), and greedy output is the same token for
     token whether the weights are mapped, private on huge pages, or private on 4 KiB pages."""
-    pages_check = load_pages_check()
-
     def run(mmap: bool, pages: str) -> tuple[list[int], int]:
         """Output and this model's huge pages (held while loaded minus after close), in a
         fresh process: in the full suite's process the count read 0 MiB on a Xeon with AMX
         while the same test alone passed, the process's earlier models shaping what a new
         load gets."""
-        out = pages_check.child_run(str(small_model), mmap=mmap, huge_pages=pages == "1",
-                                    text="The capital of France is", max_tokens=16,
-                                    n_ctx=512)
+        out = child_run(str(small_model), mmap=mmap, huge_pages=pages == "1")
         return out["tokens"], out["huge"] - out["after"]
 
     mapped, _ = run(True, "1")
@@ -74,24 +90,3 @@ def test_buffers_on_huge_pages_and_output_unchanged(small_model):
         small, huge_off = run(False, "0")
         assert small == mapped
         assert huge_off < 8 << 20, f"{huge_off >> 20} MiB on huge pages with the advice off"
-
-
-def test_pages_check_script_measures_every_setting(small_model, monkeypatch, capsys):
-    """scripts/pages_check.py on the small model: one prompt, each setting in its own
-    process, llama.cpp's loop and the script's own process beside them; the table has every
-    setting with a speed."""
-    import sys
-
-    pages_check = load_pages_check()
-    monkeypatch.setattr(sys, "argv", ["pages_check.py", str(small_model), "--limit", "1",
-                                      "--rounds", "1", "--max-tokens", "4", "--long-lived"])
-    assert pages_check.main() == 0
-    out = capsys.readouterr().out
-    rows = {ln.split(" | ")[0].strip("| "): ln.split(" | ") for ln in out.splitlines()
-            if ln.startswith("| ") and not ln.startswith("| setting")}
-    assert set(rows) == set(pages_check.SETTINGS) | {"long-lived"}
-    assert all(float(r[1]) > 0 and r[2].endswith("x") for r in rows.values())
-    if memory.thp_mode() == "madvise":   # under "always" the kernel gives huge pages anyway
-        assert rows["4k-mapped"][3].startswith("0 MiB")
-        assert not rows["huge-private"][3].startswith("0 MiB")
-    assert "against `lcpp-plain`" in out

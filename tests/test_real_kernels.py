@@ -203,7 +203,7 @@ def test_q6_k_dot_equals_the_dequantized_dot():
     quant, scale or activation put in the wrong half is off by ~1/sqrt(n) of the sum of
     |products|, the kernel's own rounding by ~1e-7 of it. That every batch of 2-16 rows
     equals this dot bit for bit is the model test above; that this dot equals the AVX2
-    kernel's bit for bit was checked when the patch was made (docs/AMX.md, patch 0017)."""
+    kernel's bit for bit was checked when the patch was made (docs/kernels.md, patch 0017)."""
     import ctypes
 
     import numpy as np
@@ -292,7 +292,7 @@ def test_weight_prefetch_is_on_by_default_and_its_variable_sets_it():
 def test_one_token_kernels_ask_for_the_weights_ahead():
     """The x86 kernels of plain decoding (repacked Q4_K's gemv, the Q2_K-Q8_0 dots) carry
     patch 0015's prefetch (Q4_0/IQ4_NL's repacked gemv is a static template, without a
-    symbol in the wheel: its results are checked above, its speed in docs/AMX.md)."""
+    symbol in the wheel: its results are checked above, its speed in docs/kernels.md)."""
     import platform
     import shutil
 

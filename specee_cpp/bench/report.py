@@ -88,7 +88,7 @@ def interval(pairs: list[tuple[Record, Record]], level: float = 0.95,
     """The ``level`` interval of the pooled speed-up of ``pairs`` (each a configuration's
     record and plain's of the same prompt and repeat): percentiles over RESAMPLES draws of
     the pairs with replacement. On a shared 2-core machine one 64-token record reads
-    0.82-1.13x of plain with nothing drafted (docs/BENCHMARKS.md, session 15), so a
+    0.82-1.13x of plain with nothing drafted, so a
     category's three prompts alone cannot tell 0.97x from 1.00x; this says how far apart
     such readings are. Pairs are the unit: the spread mixes measurement noise with
     differences between prompts, and with a few prompts it understates the latter. None

@@ -12,7 +12,7 @@ from ..errors import SpeceeError
 from ..provenance import describe, machine
 from . import configs as configs_mod
 from . import prompts as prompts_mod
-from .report import markdown, summarize, write_json, write_png, write_section
+from .report import markdown, summarize, write_json, write_png
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class BenchOptions:
     fresh: bool = False
     repeats: int = 1                  # measurements of each (prompt, configuration)
 
-    def command(self, benchmarks_md: Path | None = None, title: str = "") -> str:
+    def command(self, title: str = "") -> str:
         """The command line that makes this run: the options that differ from the
-        defaults, in a fixed order (what BENCHMARKS.md quotes above each table)."""
+        defaults, in a fixed order (what a report quotes above each table)."""
         import shlex
 
         argv = ["specee-cpp", "bench", self.model]
@@ -45,8 +45,6 @@ class BenchOptions:
             value = getattr(self, f.name)
             if f.name in _FLAGS and value != f.default:
                 argv += [_FLAGS[f.name]] + ([] if value is True else [str(value)])
-        if benchmarks_md is not None:
-            argv += ["--benchmarks", str(benchmarks_md)]
         if title:
             argv += ["--title", title]
         return shlex.join(argv)
@@ -119,7 +117,7 @@ def _check_settings(raw: Path, opts: BenchOptions) -> None:
 
 
 def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = None,
-        benchmarks_md: Path | None = None, title: str = "") -> dict:
+        title: str = "") -> dict:
     """Measure, write the outputs, return the summary. On Ctrl-C the records measured so far
     are summarized and written before the interrupt goes on."""
     from ..engine.llm import LLM
@@ -132,7 +130,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
         raise SpeceeError(f"--max-tokens must be positive, got {opts.max_tokens}")
     if opts.turns < 1:
         raise SpeceeError(f"--turns must be at least 1, got {opts.turns}")
-    command = opts.command(benchmarks_md, title)
+    command = opts.command(title)
     configs = configs_mod.select(opts.configs)
     chosen = select_prompts(opts)
     prefix = Path(opts.out)
@@ -192,6 +190,4 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
                 write_json(prefix.with_suffix(".json"), command, dict(asdict(opts), machine=where),
                            summary, records)
                 write_png(prefix.with_suffix(".png"), summary, title)
-                if benchmarks_md is not None:
-                    write_section(benchmarks_md, title or "specee-cpp bench", md)
     return summary

@@ -104,8 +104,8 @@ def cpu_prefetch_bytes() -> int | None:
 
 
 def set_cpu_prefetch_bytes(n: int) -> None:
-    """Set patch 0015's distance for the decodes that follow (0: off), as an in-process A/B
-    does (scripts/prefetch_ab.py); raises SpeceeError without the patch."""
+    """Set patch 0015's distance for the decodes that follow (0: off), for an in-process
+    A/B of the read-ahead; raises SpeceeError without the patch."""
     var = _cpu_prefetch_var()
     if var is None:
         raise SpeceeError(f"the CPU backend beside {_ffi.lib_path} has no weight prefetch "
@@ -288,7 +288,7 @@ _POOLS: dict[int, int] = {}
 def shared_threadpool(n_threads: int) -> int | None:
     """With SPECEE_CPP_THREADPOOL=1: one CPU thread pool per thread count for the whole
     process, attached to every context (kept for the life of the process, since contexts
-    may still hold it). Off by default, measured (scripts/threadpool_check.py, BENCHMARKS.md):
+    may still hold it). Off by default, as measured:
     under OpenMP both contexts already run on the one OpenMP team and the pool changed
     nothing beyond noise; in a build without OpenMP ggml's persistent pool made a target
     token 1.7x slower than a pool per decode on our 2-core machine. None where the CPU

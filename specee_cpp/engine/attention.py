@@ -2,11 +2,10 @@
 
 llama.cpp turns flash attention on by default where the backend has it. For the 0.5B draft on
 a 2-core AMX Xeon that made a token after 1024 cached tokens cost 27.3 ms against 13.4 ms
-without, while the 1.5B target was faster with it (scripts/attention_cost.py,
-docs/BENCHMARKS.md): which is cheaper depends on the model's shape and the machine's kernels,
-so every mode that decodes the draft runs it with the setting measured here, once per draft
-file and machine, cached beside the cost tables. The target keeps llama.cpp's default (plain
-decoding runs no measurement).
+without, while the 1.5B target was faster with it: which is cheaper depends on the model's
+shape and the machine's kernels, so every mode that decodes the draft runs it with the
+setting measured here, once per draft file and machine, cached beside the cost tables. The
+target keeps llama.cpp's default (plain decoding runs no measurement).
 """
 from __future__ import annotations
 

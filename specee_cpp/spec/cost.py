@@ -109,7 +109,7 @@ class CostModel:
         return max(gammas, key=lambda g: self.expected_tps(accept, g))
 
     # What would make drafting pay where it does not: the answer a cost table owes when a
-    # goal is out of reach on a machine (issue 12), in the units the table is read in.
+    # goal is out of reach on a machine, in the units the table is read in.
 
     def paying_draft_cost(self, accept: float, g_max: int = MAX_GAMMA) -> float:
         """The dearest draft token, as a fraction of a plain token, with which some draft
@@ -192,8 +192,7 @@ class CostTable:
 
     def scaled(self, short: float, long: float | None = None) -> CostTable:
         """Every point's batches scaled (``CostModel.scaled``): what a replay times its
-        rounds with where real verification runs dearer than the table
-        (scripts/round_costs.py measures by how much)."""
+        rounds with where real verification runs dearer than the table."""
         return replace(self, points=[p.scaled(short, long) for p in self.points])
 
 
@@ -201,9 +200,8 @@ class VerifyScale:
     """What a verification batch really costs here and now against the cost table, learned
     from the rounds themselves. The table is measured once per machine, in a tight loop; on
     the 2-core EPYC with AVX2 only the context drafts of HumanEval answers were verified at
-    2.05/2.32/4.30 plain steps for 2/3/7 drafted tokens where the table said 1.84/2.14/3.65
-    (`scripts/round_costs.py`, session 31), and such a table ratio moves 10-30% from one
-    measurement to the next on a shared VM (`scripts/cost_spread.py`).
+    2.05/2.32/4.30 plain steps for 2/3/7 drafted tokens where the table said 1.84/2.14/3.65,
+    and such a table ratio moves 10-30% from one measurement to the next on a shared VM.
 
     It keeps decayed means of log(real / table) for plain steps and for verification batches
     (short: up to MAX_VERIFY rows, long: more), each at the context it ran at, and scales the
@@ -344,17 +342,16 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     target batch of n, for n = 1..N_MAX. Timing them interleaved as rounds run them, not
     each model alone, matters on a small CPU: measured alone, the draft looked ~30% cheaper
     than in real rounds (not a thread-pool effect: under OpenMP both contexts share one
-    team, see scripts/threadpool_check.py).
+    team).
 
     Every timed sample is paired with a plain target token timed just before it, and the
     table keeps the median of each sample's ratio to its own reference, scaled by the median
     plain token: the policies read costs as multiples of a plain token, and a machine that
     slows down while it measures (a laptop warming up, a neighbour starting) slows both.
-    Before version 8 the plain tokens were timed first and the batches after, so such a
-    drift went into every ratio. What this does not remove: on a shared 2-core VM the
-    ratios themselves move 10-30% from one measurement to the next
-    (scripts/cost_spread.py), plain tokens (memory bound) and batches (compute bound)
-    being slowed by different neighbours.
+    Timing the plain tokens first and the batches after would put such a drift into every
+    ratio. What this does not remove: on a shared 2-core VM the ratios themselves move
+    10-30% from one measurement to the next, plain tokens (memory bound) and batches
+    (compute bound) being slowed by different neighbours.
     Medians of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
     longs = long_sizes(tgt_seq)
     biggest = max(N_MAX, *longs)

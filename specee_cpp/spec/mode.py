@@ -43,7 +43,7 @@ class SpecOptions:
     correction: bool = True
     # auto/stop: price the draft model's verification by what batches are seen to cost here
     # (cost.VerifyScale, shared with the context drafter); off only to measure what it does
-    # (bench spec-auto-table: the table as measured, as before session 34)
+    # (bench spec-auto-table: the table as measured)
     model_scale: bool = True
 
     def __post_init__(self) -> None:

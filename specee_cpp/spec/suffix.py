@@ -219,7 +219,7 @@ class ContextSource:
         # two-token draft's first token at 0.55-0.69 where 0.28 of its tokens were accepted,
         # even as the trie's first guesses fell to 12% right (its replay with the 2-core
         # EPYC's costs: 0.969x plain; 0.988x with the correction, every other category
-        # within 0.01x of before: docs/draft-length.md, session 32). Per answer, like the
+        # within 0.01x of before: docs/draft-length.md). Per answer, like the
         # guard: what copying reaches depends on what this prompt holds.
         self.correction = Correction(prior=self.COPY_PRIOR, lo=0.0) if model is not None \
             else None
@@ -258,11 +258,10 @@ class ContextSource:
     # MAX_FREE_VERIFY and the caller's limit: where a row of a long batch costs less than
     # one of a short batch (config.LONG_BATCHES), copying long pays, and such a copy breaks
     # off rarely (0.6% of the followed tokens of dev code edits). Chosen on dev streams
-    # (scripts/replay_copy_rules.py: 5-fold replay, the 2-core EPYC's v7 cost table, no
-    # draft past max_tokens): code edits 1.575x of plain without the rule, 1.681x drafting 15
-    # tokens first and doubling while kept whole, 1.743x drafting the whole stretch; second
-    # turns 1.081x / 1.072x / 1.072x, summaries 1.124x / 1.124x / 1.126x (docs/draft-length.md,
-    # "Long copies"). llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match.
+    # (5-fold replay on a 2-core EPYC's cost table, no draft past max_tokens): code edits
+    # 1.575x of plain without the rule, 1.681x drafting 15 tokens first and doubling while
+    # kept whole, 1.743x drafting the whole stretch (docs/draft-length.md, "Long copies").
+    # llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match.
     COPY_GRAM = 4
     FOLLOW_MIN = 16
     FOLLOW_HITS = 0.8

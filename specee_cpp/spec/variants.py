@@ -80,10 +80,10 @@ def pays_from(costs, relative: float) -> float:
 # The least predicted speed-up over plain, at some acceptance of WORK_LEVELS, for which a
 # cost-aware run keeps the draft model: the table's rounds leave out what holding a draft
 # costs besides them (its catch-up decodes after plain steps and free drafts, the rounds
-# whose first token it rejects). Session 38, the 2-core AVX2 EPYC: verification made cheaper
-# let the IQ4_NL draft pay from 90% acceptance (1.0002x predicted at 0.9, 1.079x at 0.95),
-# and with it held spec-auto ran 0.857x plain on mt_bench first turns and 0.913x on qa,
-# no model-drafted token kept (docs/BENCHMARKS.md, session 38).
+# whose first token it rejects). On a 2-core AVX2 EPYC whose cheap verification let the
+# IQ4_NL draft pay only from 90% acceptance (1.0002x predicted at 0.9, 1.079x at 0.95),
+# holding it ran spec-auto at 0.857x plain on mt_bench first turns and 0.913x on qa, no
+# model-drafted token kept (docs/draft-length.md, "When the draft model stays out").
 MODEL_DRAFT_MARGIN = 1.05
 
 
