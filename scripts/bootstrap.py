@@ -78,7 +78,7 @@ def ensure_probe(py: Path) -> None:
     if stamp.exists() and stamp.read_text() == key:
         return
     log("crash probe: a short decode of a tiny model in a child process")
-    r = subprocess.run([str(py), "-m", "specee_cpp.probe"], stdout=subprocess.PIPE, text=True)
+    r = subprocess.run([str(py), "-m", "specee_cpp.crash_probe"], stdout=subprocess.PIPE, text=True)
     line = (r.stdout.strip().splitlines() or ["crash probe gave no output"])[-1]
     if r.returncode != 0:
         print(line if line.startswith("error:") else f"error: {line}", file=sys.stderr)

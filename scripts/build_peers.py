@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_wheel import (LLAMA_CPP_PYTHON_VERSION, PATCH_DIR, BuildError,  # noqa: E402
-                         apply_patches, fetch_sdist, home_dir, log)
+                         apply_patches, fetch_sdist, home_dir, log, print_built)
 from check_amx_codegen import check_file  # noqa: E402
 
 TARGETS = ["llama-speculative-simple", "llama-lookup", "llama-lookup-create"]
@@ -132,12 +132,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     ns = ap.parse_args()
-    try:
-        print(cached_tools(force=ns.force))
-    except BuildError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return print_built(lambda: cached_tools(force=ns.force))
 
 
 if __name__ == "__main__":

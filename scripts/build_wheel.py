@@ -24,6 +24,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 REPO = Path(__file__).resolve().parent.parent
@@ -243,6 +244,17 @@ def cached_wheel(force: bool = False, stock: bool = False) -> Path:
     return build(out_dir, key, patches, args)
 
 
+def print_built(build: Callable[[], Path]) -> int:
+    """A build script's ending: the built path on stdout (what bootstrap.py reads), or one
+    line on stderr and exit status 1."""
+    try:
+        print(build())
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if a cached wheel exists")
@@ -253,12 +265,7 @@ def main() -> int:
     if ns.key:
         print(cache_key([] if ns.stock else patch_files(), cmake_args()))
         return 0
-    try:
-        print(cached_wheel(force=ns.force, stock=ns.stock))
-    except BuildError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return print_built(lambda: cached_wheel(force=ns.force, stock=ns.stock))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def main() -> int:
     from specee_cpp.paths import write_text_atomic
     from specee_cpp.models.registry import load_registry
     from specee_cpp.provenance import describe
-    from specee_cpp.spec.mode import cost_model
+    from specee_cpp.speculative.mode import cost_model
 
     shipped = load_registry().get(ns.draft).quant
     rows, where, accepted = [], None, {}
@@ -93,11 +93,11 @@ def main() -> int:
     print(table_md)
     if not ns.no_write:
         cmd = "python scripts/draft_variants.py " + " ".join(sys.argv[1:])
-        # what `--draft NAME:auto` chooses from (spec/variants.py): acceptance is the
+        # what `--draft NAME:auto` chooses from (speculative/variants.py): acceptance is the
         # models' (dev prompts); every machine measures its own costs
         from specee_cpp.models.pull import file_sha256
         from specee_cpp.models.registry import resolve_model
-        from specee_cpp.spec.variants import record_path
+        from specee_cpp.speculative.variants import record_path
 
         rec = record_path(file_sha256(resolve_model(ns.draft)))
         data = {"format": 1, "draft": ns.draft, "shipped": shipped, "target": ns.target,

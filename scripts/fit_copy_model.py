@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fit the copy model: the acceptance of the context drafter's free drafts
-(specee_cpp/spec/copy_model.py), for one target, on dev prompts only.
+(specee_cpp/speculative/context_acceptance.py), for one target, on dev prompts only.
 
 Data: the target's plain greedy outputs (token ids, with their prompts) on
   1. the Spec-Bench dev prompts that calibration fits on (the 64-prompt fitting pool; bench
@@ -16,7 +16,7 @@ output, so the drafter's samples and its rounds are replayed from these streams.
 It prints and writes (--report) a held-out report: every fifth stream held out, log loss of
 the fitted model against the drafter's built-in guess and the base rate, and the simulated
 speed-up of context drafting over plain per source with this machine's cost table and a
-GPU-like one (spec/simulate.gpu_like); then fits on all streams and writes
+GPU-like one (speculative/simulate.gpu_like); then fits on all streams and writes
 specee_cpp/bundles/<target sha256[:16]>.copy.npz, which `--mode spec` reads.
 
     python scripts/fit_copy_model.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
@@ -109,9 +109,10 @@ def main() -> int:
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
     from specee_cpp.provenance import describe, machine
-    from specee_cpp.spec.copy_model import FEATURES, bundle_path, fit, held_out_report
-    from specee_cpp.spec.mode import cost_model
-    from specee_cpp.spec.simulate import gpu_like
+    from specee_cpp.speculative.context_acceptance import (FEATURES, bundle_path, fit,
+                                                          held_out_report)
+    from specee_cpp.speculative.mode import cost_model
+    from specee_cpp.speculative.simulate import gpu_like
 
     def log(msg: str) -> None:
         print(f"[copy-model] {msg}", file=sys.stderr, flush=True)
@@ -127,7 +128,7 @@ def main() -> int:
             where = machine(llm.config.threads)
             gpu = gpu_like(table.points[0], llm.model.bits_per_weight)
     if ns.first_scale_only:
-        from specee_cpp.spec.copy_model import CopyModel, first_guess_scale, samples
+        from specee_cpp.speculative.context_acceptance import CopyModel, first_guess_scale, samples
 
         shipped = CopyModel.load(bundle_path(sha))
         scale = first_guess_scale(shipped.nets, [samples(s["prompt"], s["output"])

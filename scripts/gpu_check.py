@@ -497,9 +497,9 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
     decode's exits and probes, and the controller replay with those costs."""
     from specee_cpp.bindings.quantize import quantize
     from specee_cpp.config import LoadConfig
-    from specee_cpp.engine.attention import choose
+    from specee_cpp.engine.draft_attention import choose
     from specee_cpp.engine.llm import LLM
-    from specee_cpp.spec.cost import measure_table
+    from specee_cpp.speculative.cost import measure_table
 
     gpu_layers = int(os.environ.get("SPECEE_CPP_TEST_GPU_LAYERS", "0"))
     spec = SHAPES[shapes]
@@ -522,7 +522,7 @@ def measure(out: Path, shapes: str, jobs: int) -> dict:
         with LLM(files["target"], draft=files["draft"], config=cfg) as llm:
             # a short context to start from (measure_table repeats it to 128 and 1024 tokens)
             tokens = llm.model.tokenize("the cat sat on the mat. " * 8, add_special=True)[:32]
-            # the draft's attention as the runtime chooses it (engine/attention.py)
+            # the draft's attention as the runtime chooses it (engine/draft_attention.py)
             fa, seen = choose(llm.dft.model, cfg.threads, tokens, n_batch=cfg.n_batch)
             llm.set_draft_flash_attn(fa)
             res["draft_attention"] = dict(seen, chosen="off" if fa is False else "default")
@@ -619,8 +619,8 @@ def replay(costs, bpw: float) -> dict:
     """The profiled rounds (docs/controller, Q4_K_M target) under each policy with these
     costs; controllers cross-fitted in 4 folds by prompt, as speckv_ladder.py does."""
     from specee_cpp.records import records
-    from specee_cpp.spec import acceptance, policies, simulate as sim
-    from specee_cpp.spec.mode import parse_gamma
+    from specee_cpp.speculative import acceptance, policies, simulate as sim
+    from specee_cpp.speculative.mode import parse_gamma
 
     recs = records(REPO / "docs" / "controller" / f"profile-{QUANT}.jsonl",
                    what="profile file")
@@ -673,7 +673,7 @@ def markdown(r: dict) -> str:
                          + " | ".join(str(v[str(n)]) for n in (2, 4, 8, 16)) + " |")
         a = m.get("draft_attention")
         if a:
-            from specee_cpp.engine.attention import describe
+            from specee_cpp.engine.draft_attention import describe
 
             chosen = False if a["chosen"] == "off" else None
             lines += ["", f"Draft attention: {describe(chosen, a, digits=2)}."]

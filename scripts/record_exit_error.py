@@ -9,7 +9,7 @@ ratio, pooled over the runs by exits. Written into the bundle of the run's targe
 configuration's provider as ``meta["end_to_end"][rule][target]`` with its standard error,
 the runs' commands and the date; mode ee (and spec-ee) then refuse that provider and rule at
 that target when the estimate is above it by more than two standard errors, unless
---unsafe-exits (ee/mode.py: check_end_to_end). Only the metadata changes.
+--unsafe-exits (early_exit/mode.py: check_end_to_end). Only the metadata changes.
 
     python scripts/record_exit_error.py docs/bench/ee-spec.json docs/bench/ee-spec-dev.json
 """
@@ -64,8 +64,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
     args = ap.parse_args()
 
-    from specee_cpp.ee.mode import bundle_path
-    from specee_cpp.ee.predictor import Predictors
+    from specee_cpp.early_exit.mode import bundle_path
+    from specee_cpp.early_exit.predictor import Predictors
     from specee_cpp.engine.llm import resolve
     from specee_cpp.models.pull import file_sha256
 

@@ -104,10 +104,10 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
     """Cross-fitted replay of every policy at every level, on this machine's measured costs
     and on a GPU-like cost shape."""
     from specee_cpp.config import LoadConfig
-    from specee_cpp.spec import acceptance, policies, simulate as sim
+    from specee_cpp.speculative import acceptance, policies, simulate as sim
     from specee_cpp.engine.llm import LLM
     from specee_cpp.records import records
-    from specee_cpp.spec.mode import cost_model, parse_gamma
+    from specee_cpp.speculative.mode import cost_model, parse_gamma
 
     per_level = {}
     for (t, f), prof in zip(files.items(), profiles):
@@ -162,7 +162,7 @@ def simulate(files: dict, profiles: list[Path], ns) -> None:
 
 def decision_overhead(model, per_level: dict) -> str:
     """Microseconds per decision of our policies where they do decide (GPU-like costs)."""
-    from specee_cpp.spec import policies, simulate as sim
+    from specee_cpp.speculative import policies, simulate as sim
 
     recs, costs, bpw = next(iter(per_level.values()))
     gpu = sim.gpu_like(costs, bpw)

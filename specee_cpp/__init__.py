@@ -9,15 +9,16 @@ libllama)::
         print(step.text, end="", flush=True)
     llm.generate("Sort a list in Python", mode="spec", gamma=4)   # a mode and its options
 
-Decoding modes register themselves (``engine/modes.py``); the built-in ones are imported
-here, which loads no library.
+Decoding modes register themselves (``engine/modes.py``) when their module is imported;
+this is the one place that imports the built-in ones (every module of the package runs
+this first), which loads no library.
 """
 from __future__ import annotations
 
 from .engine import plain as _plain  # noqa: F401, I001  (registers mode plain, first)
-from .spec import mode as _spec_mode  # noqa: F401  (registers mode spec)
-from .ee import mode as _ee_mode  # noqa: F401  (registers mode ee)
-from .hyper import mode as _hyper_mode  # noqa: F401  (registers mode spec-ee)
+from .speculative import mode as _spec_mode  # noqa: F401  (registers mode spec)
+from .early_exit import mode as _ee_mode  # noqa: F401  (registers mode ee)
+from .spec_ee import mode as _hyper_mode  # noqa: F401  (registers mode spec-ee)
 
 __version__ = "0.1.0"
 
@@ -27,9 +28,9 @@ _LAZY = {
     "Step": ("specee_cpp.engine.steps", "Step"),
     "Stats": ("specee_cpp.engine.steps", "Stats"),
     "SamplingConfig": ("specee_cpp.config", "SamplingConfig"),
-    "SpecOptions": ("specee_cpp.spec.mode", "SpecOptions"),
-    "EEOptions": ("specee_cpp.ee.mode", "EEOptions"),
-    "SpecEEOptions": ("specee_cpp.hyper.mode", "SpecEEOptions"),
+    "SpecOptions": ("specee_cpp.speculative.mode", "SpecOptions"),
+    "EEOptions": ("specee_cpp.early_exit.mode", "EEOptions"),
+    "SpecEEOptions": ("specee_cpp.spec_ee.mode", "SpecEEOptions"),
     "modes": ("specee_cpp.engine", "modes"),
     "LoadConfig": ("specee_cpp.config", "LoadConfig"),
     "SpeceeError": ("specee_cpp.errors", "SpeceeError"),

@@ -11,9 +11,9 @@ from .errors import SpeceeError
 N_CTX = 4096          # context window of a session (chat, generate, bench, profile)
 N_BATCH = 512         # tokens per llama_decode batch
 N_CTX_COSTS = 2048    # context of a `costs` measurement (a short chat turn fits)
-# the prompt whose tokens, repeated, fill the caches of a cost measurement (spec/cost.py), a
-# draft variant's screen (spec/variants.py) and the draft's attention timing
-# (engine/attention.py); and the contexts they are measured at: a short chat turn and a
+# the prompt whose tokens, repeated, fill the caches of a cost measurement (speculative/cost.py), a
+# draft variant's screen (speculative/variants.py) and the draft's attention timing
+# (engine/draft_attention.py); and the contexts they are measured at: a short chat turn and a
 # long one (a 1k-token cache makes a token measurably dearer)
 COST_PROMPT = "Write a function that parses a date and explain it."
 COST_CONTEXTS = (128, 1024)

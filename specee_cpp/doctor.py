@@ -114,7 +114,7 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
             ("weight prefetch", prefetch_state(info["system_info"], cpu_prefetch_bytes())),
             ("huge pages", memory.describe()),
         ]
-        from .probe import run_probe
+        from .crash_probe import run_probe
 
         probe = run_probe()
         rows.append(("crash probe", probe.message))

@@ -1,7 +1,7 @@
 """The one small MLP both predictor families use: features -> hidden (ReLU) -> 1 (sigmoid).
 
-Early-exit predictors (``ee.predictor``, one per layer) and the draft-length acceptance
-models (``spec.acceptance``) are this network, trained here with numpy Adam on binary
+Early-exit predictors (``early_exit.predictor``, one per layer) and the draft-length acceptance
+models (``speculative.acceptance``) are this network, trained here with numpy Adam on binary
 cross-entropy and stored in a compressed ``.npz`` with JSON metadata, written atomically.
 A network is the tuple (mu, sigma, W1, b1, W2, b2): input normalisation and two layers.
 """

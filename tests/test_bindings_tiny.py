@@ -57,7 +57,7 @@ def test_confidence_in_c_equals_numpy_on_the_logits(tiny_llama):
     """What a draft-length policy reads of each drafted token (patch 0013): the greedy token,
     the top-1 probability and the entropy of the softmax, as ``draft_confidence`` computes
     them from a copy of the logits."""
-    from specee_cpp.spec.decode import draft_confidence
+    from specee_cpp.speculative.decode import draft_confidence
 
     model, ctx = _ctx(tiny_llama)
     seq = Sequence(ctx)

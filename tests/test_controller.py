@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from specee_cpp.config import LoadConfig
-from specee_cpp.spec import acceptance, policies, simulate
-from specee_cpp.spec.cost import CostModel
+from specee_cpp.speculative import acceptance, policies, simulate
+from specee_cpp.speculative.cost import CostModel
 from specee_cpp.errors import SpeceeError
 
 # the shape measured on this CPU (specee-cpp costs): draft 0.59 of a target token, verify
@@ -188,7 +188,7 @@ def test_predicted_speed_of_model_drafting_weighs_free_drafts(model):
     """The policy's predicted round (tokens/s) is what a free draft from the context must
     beat: none where model drafting cannot pay, the best gamma's speed where it can, none
     while the guard keeps the policy at plain decoding."""
-    from specee_cpp.spec.suffix import ContextSource
+    from specee_cpp.speculative.context_drafter import ContextSource
 
     assert policies.CostAwareGamma(model, CPU, 4.85).predicted_tps() == 0.0
     assert policies.FixedGamma(4).predicted_tps() == 0.0
@@ -249,7 +249,7 @@ def test_every_policy_is_lossless(pair, model):
             lambda: policies.CostAwareGamma(model, GPU, 4.85),
             lambda: policies.CostAwareStop(model, GPU, 4.85)]
     from specee_cpp.config import SamplingConfig
-    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.speculative.decode import generate_spec
     from specee_cpp.engine.steps import stream
 
     rejected: dict[str, int] = {}
@@ -276,7 +276,7 @@ def test_every_policy_is_lossless(pair, model):
 def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     """A guard that backed off in one generation still holds in the next (a chat's next
     turn, a bench's next prompt), and only for the options it judged."""
-    from specee_cpp.spec.mode import SpecOptions, draft_policy, use_cost_model
+    from specee_cpp.speculative.mode import SpecOptions, draft_policy, forget_costs, use_cost_model
 
     model.save(tmp_path / "ctl.npz")
     use_cost_model(pair, GPU)   # drafting pays there
@@ -287,8 +287,10 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     assert draft_policy(pair, stop).guard is not first.guard
     assert draft_policy(pair, auto).correction is first.correction   # kept alike
     assert draft_policy(pair, stop).correction is None   # no round model to correct
-    raw = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz", context=False,
-                      correction=False)
+    from specee_cpp.bench.configs import SpecBenchOptions
+
+    raw = SpecBenchOptions(gamma="auto", controller=tmp_path / "ctl.npz", context=False,
+                           correction=False)
     assert draft_policy(pair, raw).correction is None and draft_policy(pair, raw).plan() > 0
     free = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
     assert free.stats.n_drafted > 0
@@ -299,7 +301,7 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     assert pair.dft.seq.tokens == []   # held at plain: the draft never read the prompt
     assert pair.generate("def fib(n):", max_tokens=24, mode="spec",
                          options=stop).stats.n_drafted > 0
-    pair.forget(("spec", "costs"))
+    forget_costs(pair)
 
 
 def test_a_long_prompt_under_a_short_limit_is_not_read_up_front():
@@ -336,7 +338,7 @@ def test_a_prompt_not_read_up_front_is_not_read_at_all(pair, model):
     stays empty (the rounds after weigh the same catch-up, only longer), greedy output is
     plain's; with room for it the prompt is read in prefill, as before."""
     from specee_cpp.config import SamplingConfig
-    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.speculative.decode import generate_spec
 
     prompt = "Write a Python function that reverses a string."
     toks = pair.prompt_tokens(prompt)
@@ -373,7 +375,7 @@ def test_a_round_is_told_the_drafts_catch_up(pair):
     catches it up in one batch, timed apart (``catch_up``) and passed to the policy with
     the round's time, which includes it (the guard decides what to charge: Guard)."""
     from specee_cpp.config import SamplingConfig
-    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.speculative.decode import generate_spec
 
     class Late(policies.DraftPolicy):
         """Plain for 12 steps, then 2 tokens a round; records what update() is told."""
@@ -416,7 +418,7 @@ def test_a_round_is_told_the_drafts_catch_up(pair):
 
 @pytest.mark.model
 def test_gamma_auto_on_this_cpu_is_plain_decoding(pair, model, tmp_path):
-    from specee_cpp.spec.mode import SpecOptions, use_cost_model
+    from specee_cpp.speculative.mode import SpecOptions, use_cost_model
 
     model.save(tmp_path / "ctl.npz")
     use_cost_model(pair, CPU)   # the shape measured on this machine: drafting cannot pay
@@ -435,7 +437,7 @@ def test_a_draft_that_pays_only_near_full_acceptance_is_left_out():
     model-drafted token kept."""
     from dataclasses import replace
 
-    from specee_cpp.spec.variants import MODEL_DRAFT_MARGIN, model_drafting_pays
+    from specee_cpp.speculative.variants import MODEL_DRAFT_MARGIN, model_drafting_pays
 
     assert EPYC_S38.drafting_can_pay(8)          # the older gate alone kept this draft
     assert not model_drafting_pays(EPYC_S38) and not model_drafting_pays(CPU)
@@ -448,7 +450,7 @@ def test_a_draft_that_pays_only_near_full_acceptance_is_left_out():
 @pytest.mark.model
 def test_gamma_auto_leaves_out_a_draft_that_pays_only_near_full_acceptance(pair, model,
                                                                           tmp_path):
-    from specee_cpp.spec.mode import SpecOptions, use_cost_model
+    from specee_cpp.speculative.mode import SpecOptions, use_cost_model
 
     model.save(tmp_path / "ctl.npz")
     use_cost_model(pair, EPYC_S38)
@@ -496,8 +498,8 @@ def test_free_draft_yields_to_a_draft_model_predicted_faster(pair):
     Greedy output equals plain's either way."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.engine.steps import stream
-    from specee_cpp.spec.decode import generate_spec
-    from specee_cpp.spec.suffix import ContextSource
+    from specee_cpp.speculative.decode import generate_spec
+    from specee_cpp.speculative.context_drafter import ContextSource
 
     class Predicts(policies.FixedGamma):
         def __init__(self, tps):
@@ -671,7 +673,7 @@ def test_the_model_drafts_at_what_verification_is_seen_to_cost(model):
     context drafter): where batches are seen to run dearer than the table it drafts less or
     not at all, where they run cheaper it drafts where the table said nothing could pay; the
     batches it verifies teach the scale, and the next round reads the new prices."""
-    from specee_cpp.spec.cost import VerifyScale
+    from specee_cpp.speculative.cost import VerifyScale
 
     def seen(ratio: float, costs=XEON, n: int = 60) -> VerifyScale:
         s = VerifyScale()
@@ -715,7 +717,7 @@ def test_the_loop_tells_the_policy_what_its_batches_cost(pair):
     policy (``verified``: rows, the verify phase's seconds) and, where no context drafter
     times them, its plain steps; a context drafter's rounds are its own."""
     from specee_cpp.config import SamplingConfig
-    from specee_cpp.spec.decode import generate_spec
+    from specee_cpp.speculative.decode import generate_spec
 
     class Every3rd(policies.FixedGamma):
         def __init__(self):
@@ -753,11 +755,12 @@ def test_the_model_policy_shares_the_pairs_scale_unless_told_not_to(pair, model,
     pair and table); ``model_scale=False`` (bench spec-auto-table) keeps the table as
     measured, and costs given with use_cost_model are never scaled."""
     from specee_cpp.engine import modes
-    from specee_cpp.spec.mode import SpecOptions, draft_policy, use_cost_model, verify_scale
+    from specee_cpp.speculative.mode import (SpecOptions, draft_policy, forget_costs, pair_state,
+                                             use_cost_model, verify_scale)
 
     model.save(tmp_path / "ctl.npz")
     ctl = tmp_path / "ctl.npz"
-    pair.remember(("spec", "costs"), GPU)   # as if measured here
+    pair_state(pair).costs = GPU   # as if measured here
     try:
         scale = verify_scale(pair, GPU)
         assert scale is not None
@@ -765,7 +768,9 @@ def test_the_model_policy_shares_the_pairs_scale_unless_told_not_to(pair, model,
             is scale
         assert draft_policy(pair, SpecOptions(gamma="stop", controller=ctl)).verify_scale \
             is scale
-        table = SpecOptions(gamma="auto", controller=ctl, model_scale=False)
+        from specee_cpp.bench.configs import SpecBenchOptions
+
+        table = SpecBenchOptions(gamma="auto", controller=ctl, model_scale=False)
         assert draft_policy(pair, table).verify_scale is None
         assert "priced by the table" in modes.get("spec").describe(table)
         use_cost_model(pair, GPU)
@@ -773,5 +778,4 @@ def test_the_model_policy_shares_the_pairs_scale_unless_told_not_to(pair, model,
         assert draft_policy(pair, SpecOptions(gamma="auto", controller=ctl)).verify_scale \
             is None
     finally:
-        pair.forget(("spec", "costs"))
-        pair.forget(("spec", "costs_given"))
+        forget_costs(pair)

@@ -8,10 +8,10 @@ import pytest
 
 from specee_cpp.config import MAX_FREE_VERIFY, MAX_VERIFY
 from specee_cpp.errors import SpeceeError
-from specee_cpp.spec.copy_model import (CopyModel, FEATURES, fit, held_out_report, replay,
-                                        samples, simulate)
-from specee_cpp.spec.cost import CostModel
-from specee_cpp.spec.suffix import ContextSource
+from specee_cpp.speculative.context_acceptance import (CopyModel, FEATURES, fit,
+                                                      held_out_report, replay, samples, simulate)
+from specee_cpp.speculative.cost import CostModel
+from specee_cpp.speculative.context_drafter import ContextSource
 
 FLAT = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1)       # a GPU's verification
 STEEP = CostModel([1.0 + 0.8 * i for i in range(16)], 0.6)       # this CPU's, roughly
@@ -107,7 +107,7 @@ def test_a_replay_as_run_learns_what_its_timed_rounds_cost(monkeypatch):
     over the table, the one-token drafts the table says pay (0.9 each: 1.9 tokens for 1.8
     plain steps) stop once the scale has learned it, and the replay reads faster than the
     drafter that goes on trusting the table; timed by the table itself, it drafts as before."""
-    from specee_cpp.spec.cost import VerifyScale
+    from specee_cpp.speculative.cost import VerifyScale
 
     monkeypatch.setattr(ContextSource, "FOLLOW_MIN", 10**9)   # the trie's short drafts only
     prompt, out = _cycle(48), _cycle(120)
@@ -237,7 +237,7 @@ def test_a_foreign_or_old_copy_model_file_is_refused(tmp_path):
     with pytest.raises(SpeceeError, match="not found"):
         CopyModel.load(tmp_path / "missing.npz")
     # this version's meta, a member's arrays missing (a torn or hand-made file)
-    from specee_cpp.spec.copy_model import _NAMES, FEATURES, MODEL_VERSION
+    from specee_cpp.speculative.context_acceptance import _NAMES, FEATURES, MODEL_VERSION
     save_npz(path, {f"m0{n}": a for n, a in zip(_NAMES, model.nets[0])},
              {"version": MODEL_VERSION, "features": list(FEATURES), "members": 2})
     with pytest.raises(SpeceeError, match="not a copy model file.*2 members"):
@@ -255,7 +255,7 @@ def test_drafter_uses_the_model_for_its_own_context_and_the_guess_for_the_histor
     assert len(always.plan(len(text))) == MAX_VERIFY - 1
     assert always.expected_tps > 1 / FLAT.plain
     # a history match is judged by the built-in guess, not the model fitted on contexts
-    from specee_cpp.spec.suffix import SuffixTrie
+    from specee_cpp.speculative.context_drafter import SuffixTrie
 
     hist = SuffixTrie(8)
     hist.extend([10, 11, 12, 13, 14, 15, 16])
@@ -305,7 +305,7 @@ def test_a_drafter_whose_verifications_run_dear_stops_its_marginal_drafts(monkey
     against the plain steps between them: a one-token draft at 0.9 pays by the table (1.9
     tokens for 1.8 plain steps) and keeps paying while batches cost that, not once they run
     20% dearer, even with every draft accepted."""
-    from specee_cpp.spec.cost import VerifyScale
+    from specee_cpp.speculative.cost import VerifyScale
 
     monkeypatch.setattr(ContextSource, "FOLLOW_MIN", 10**9)   # the trie's short drafts only
     text = _cycle(40)
@@ -366,7 +366,7 @@ def test_a_long_copy_counts_on_the_fitted_break_rate():
     (copy_break_rate); the long-copy rule expects each further token with 1 minus that, so
     where a batch of 64 costs a little more a row than one of 48 it drafts the shorter copy (seen
     failing when _long_copy assumed every token accepted: 63 tokens drafted)."""
-    from specee_cpp.spec.copy_model import copy_break_rate
+    from specee_cpp.speculative.context_acceptance import copy_break_rate
 
     rng = np.random.default_rng(3)
     text = [int(t) for t in rng.integers(1000, 5000, 300)]
@@ -407,7 +407,7 @@ def test_an_answers_first_free_draft_is_rated_as_often_as_it_was_accepted(tmp_pa
     answer's first proposal like later ones (dev streams: 0.55 predicted, 0.35 accepted);
     the fit keeps the ratio of the two on those rows and the model applies it there only."""
     from specee_cpp.mlp import forward
-    from specee_cpp.spec.copy_model import first_guess
+    from specee_cpp.speculative.context_acceptance import first_guess
 
     data = _streams(2)
     model = fit(data)

@@ -6,9 +6,9 @@ import pytest
 from specee_cpp.config import LoadConfig
 from specee_cpp import provenance
 from specee_cpp.engine import attention
-from specee_cpp.spec import cost
-from specee_cpp.spec.mode import SpecOptions, cost_model
-from specee_cpp.spec.cost import CostModel
+from specee_cpp.speculative import cost
+from specee_cpp.speculative.mode import SpecOptions, cost_model
+from specee_cpp.speculative.cost import CostModel
 from specee_cpp.engine.llm import LLM
 from tiny_gguf import write_tiny_model
 
@@ -113,8 +113,8 @@ def test_costs_are_read_at_the_context_length():
     """Between measured contexts the costs are interpolated, outside them the nearest is
     used, and a cost-aware policy re-reads them as the cache grows (seen failing with
     at_context a no-op: the policy kept drafting where a long context made it a loss)."""
-    from specee_cpp.spec import policies
-    from specee_cpp.spec.acceptance import AcceptanceModel  # noqa: F401
+    from specee_cpp.speculative import policies
+    from specee_cpp.speculative.acceptance import AcceptanceModel  # noqa: F401
 
     short = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1, context=128)
     long = CostModel([4.0 + 2.0 * i for i in range(16)], 3.0, context=1024)
@@ -199,7 +199,7 @@ def test_measure_pairs_each_sample_with_a_plain_reference():
 
 
 def test_a_first_measurement_shows_its_progress_on_the_status_line(tmp_path, monkeypatch):
-    from specee_cpp.spec.mode import cost_model_shown
+    from specee_cpp.speculative.mode import cost_model_shown
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)
@@ -408,7 +408,7 @@ def test_every_mode_that_drafts_runs_with_the_measured_attention(tmp_path, monke
     """Early exit's draft provider, spec with a fixed gamma and spec-ee read no cost table,
     yet decode the draft (ee: on every token): the draft's attention is chosen for them too,
     measured once per draft file and machine and cached on disk."""
-    from specee_cpp.ee.mode import candidates
+    from specee_cpp.early_exit.mode import candidates
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     t = write_tiny_model(tmp_path / "t.gguf", seed=1)

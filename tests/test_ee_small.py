@@ -4,10 +4,10 @@ import json
 import pytest
 
 from specee_cpp.config import LoadConfig
-from specee_cpp.ee.mode import EEOptions
-from specee_cpp.ee.calibrate import CalibConfig, calibrate
-from specee_cpp.ee.candidates import NgramCandidates
-from specee_cpp.ee.predictor import Predictors
+from specee_cpp.early_exit.mode import EEOptions
+from specee_cpp.early_exit.calibrate import CalibConfig, calibrate
+from specee_cpp.early_exit.candidates import NgramCandidates
+from specee_cpp.early_exit.predictor import Predictors
 from specee_cpp.engine.llm import LLM
 from specee_cpp.errors import SpeceeError
 

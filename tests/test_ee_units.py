@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 
 from specee_cpp.bench.prompts import load_spec_bench, spread
-from specee_cpp.ee.calibrate import masked
-from specee_cpp.ee.candidates import NgramCandidates, top_k
-from specee_cpp.ee.features import PAD_GAP, features, pad_logits
-from specee_cpp.ee.predictor import Predictors, stack
+from specee_cpp.early_exit.calibrate import masked
+from specee_cpp.early_exit.candidates import NgramCandidates, top_k
+from specee_cpp.early_exit.features import PAD_GAP, features, pad_logits
+from specee_cpp.early_exit.predictor import Predictors, stack
 from specee_cpp.mlp import train_mlp
-from specee_cpp.ee.scheduler import Scheduler
+from specee_cpp.early_exit.scheduler import Scheduler
 from specee_cpp.errors import SpeceeError
 
 
@@ -129,7 +129,7 @@ def test_prompt_file_errors(tmp_path):
 # ---- the quality target ---------------------------------------------------------------------
 
 def test_thresholds_meet_the_target_or_leave_the_layer_out():
-    from specee_cpp.ee.calibrate import THRESHOLD_GRID, choose_thresholds
+    from specee_cpp.early_exit.calibrate import THRESHOLD_GRID, choose_thresholds
 
     n = len(THRESHOLD_GRID)
     curves = {"grid": list(THRESHOLD_GRID), "n_tokens": 1000, "argmax": {
@@ -147,8 +147,8 @@ def test_thresholds_meet_the_target_or_leave_the_layer_out():
 
 
 def test_exit_plan_from_curves_and_an_explicit_threshold():
-    from specee_cpp.ee.calibrate import THRESHOLD_GRID
-    from specee_cpp.ee.mode import EEOptions, exit_plan
+    from specee_cpp.early_exit.calibrate import THRESHOLD_GRID
+    from specee_cpp.early_exit.mode import EEOptions, exit_plan
 
     fit = (np.zeros(12), np.ones(12), np.zeros((12, 2)), np.zeros(2), np.zeros(2), 0.0)
     n = len(THRESHOLD_GRID)
@@ -188,7 +188,7 @@ def test_exit_plan_from_curves_and_an_explicit_threshold():
 
 
 def test_repetition_guard_sees_loops_only():
-    from specee_cpp.ee.decode import looping
+    from specee_cpp.early_exit.decode import looping
 
     assert looping([1, 2, 3] + [7, 8] * 3)
     assert looping([5] * 3)

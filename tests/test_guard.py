@@ -2,7 +2,7 @@
 backoff that doubles while probes keep losing.
 Seen failing with planted bugs: observe() a no-op; gate() a pass-through; the backoff not
 doubled; plain speed not learned from plain steps."""
-from specee_cpp.spec.policies import Guard
+from specee_cpp.speculative.policies import Guard
 
 
 def lose(g: Guard, rounds: int, tps: float = 5.0) -> None:

@@ -83,7 +83,7 @@ def test_reduced_head_logits_are_the_full_heads_rows(small_model, reduced):
         # greedy in C picks among the kept rows, as numpy would
         assert red.argmax() == int(ids[np.argmax(a[ids])])
         # and the draft's confidence in C is the softmax over those rows only
-        from specee_cpp.spec.decode import draft_confidence
+        from specee_cpp.speculative.decode import draft_confidence
 
         tok, top1, ent = red.confidence()
         want_top1, want_ent = draft_confidence(a[ids])

@@ -4,15 +4,15 @@ stays consistent."""
 import pytest
 
 from specee_cpp.config import LoadConfig, SamplingConfig
-from specee_cpp.ee.calibrate import CalibConfig, calibrate
-from specee_cpp.ee.candidates import DraftCandidates
-from specee_cpp.ee.predictor import Predictors
+from specee_cpp.early_exit.calibrate import CalibConfig, calibrate
+from specee_cpp.early_exit.candidates import DraftCandidates
+from specee_cpp.early_exit.predictor import Predictors
 from specee_cpp.engine.llm import LLM
 from specee_cpp.errors import SpeceeError
-from specee_cpp.hyper.mode import SpecEEOptions
-from specee_cpp.hyper.verify import decisive
-from specee_cpp.engine.attention import use_draft_attention
-from specee_cpp.spec.mode import SpecOptions
+from specee_cpp.spec_ee.mode import SpecEEOptions
+from specee_cpp.spec_ee.verify import decisive
+from specee_cpp.engine.draft_attention import use_draft_attention
+from specee_cpp.speculative.mode import SpecOptions
 from tiny_gguf import write_tiny_model
 
 CALIB = [
@@ -29,7 +29,7 @@ PROMPTS = ["Write a Python function that reverses a string.",
 N = 40
 # a prompt whose answer exits: not CALIB[0], whose greedy answer on some machines (the AVX2-only
 # EPYC) is "Apple, Banana, Cherry, ..." over and over, a loop that spec-ee verifies at full
-# depth by design (hyper/verify.py: looping), so nothing exits there and nothing is tested
+# depth by design (spec_ee/verify.py: looping), so nothing exits there and nothing is tested
 EXITS = PROMPTS[2]
 
 

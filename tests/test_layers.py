@@ -9,11 +9,13 @@ from pathlib import Path
 import specee_cpp
 
 PKG = Path(specee_cpp.__file__).parent
-# lowest first; an import may only point to a strictly lower rank (spec and ee share one,
-# so neither may import the other; hyper, their combination, sits above both)
+# lowest first; an import may only point to a strictly lower rank (speculative and
+# early_exit share one, so neither may import the other; spec_ee, their combination, sits
+# above both)
 RANK = {"errors": 0, "config": 1, "paths": 1, "records": 1, "mlp": 1, "memory": 1, "models": 2,
-        "bindings": 3, "provenance": 4, "engine": 5, "probe": 5, "spec": 6, "ee": 6,
-        "hyper": 7, "bench": 8, "server": 8, "doctor": 8, "cli": 9, "__init__": 10}
+        "bindings": 3, "provenance": 4, "engine": 5, "crash_probe": 5, "speculative": 6,
+        "early_exit": 6, "spec_ee": 7, "bench": 8, "server": 8, "doctor": 8, "cli": 9,
+        "__init__": 10}
 
 
 def unit(path: Path, root: Path = PKG) -> str:
@@ -62,11 +64,11 @@ def test_imports_point_down_the_layers():
 
 
 def test_the_check_sees_an_upward_import(tmp_path):
-    """The checker itself can fail: an engine module importing spec, lazily, is caught."""
+    """The checker itself can fail: an engine module importing speculative, lazily, is caught."""
     root = tmp_path / "specee_cpp"
     (root / "engine").mkdir(parents=True)
     fake = root / "engine" / "llm.py"
-    fake.write_text("import numpy\n\ndef f():\n    from ..spec import mode\n"
+    fake.write_text("import numpy\n\ndef f():\n    from ..speculative import mode\n"
                     "    from specee_cpp.bench.record import Record\n")
-    assert unit(fake, root) == "engine" and imports(fake, root) == {"spec", "bench"}
+    assert unit(fake, root) == "engine" and imports(fake, root) == {"speculative", "bench"}
     assert all(RANK[dst] >= RANK["engine"] for dst in imports(fake, root))

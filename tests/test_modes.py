@@ -8,12 +8,12 @@ import pytest
 
 import specee_cpp
 from specee_cpp.config import LoadConfig
-from specee_cpp.ee.mode import EEOptions
+from specee_cpp.early_exit.mode import EEOptions
 from specee_cpp.engine import modes
 from specee_cpp.engine.plain import generate_plain
 from specee_cpp.engine.steps import Step, Transcript
 from specee_cpp.errors import SpeceeError
-from specee_cpp.spec.mode import SpecOptions, parse_gamma
+from specee_cpp.speculative.mode import SpecOptions, parse_gamma
 
 
 def test_builtin_modes_are_registered_without_loading_the_library():

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from scripts_path import load_script
-from specee_cpp.probe import FAULT_ENV, run_probe
+from specee_cpp.crash_probe import FAULT_ENV, run_probe
 
 
 def test_probe_passes_on_this_build():

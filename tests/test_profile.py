@@ -6,8 +6,8 @@ import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM
-from specee_cpp.spec.profile import profile
-from specee_cpp.spec.decode import draft_confidence
+from specee_cpp.speculative.profile import profile
+from specee_cpp.speculative.decode import draft_confidence
 from specee_cpp.errors import SpeceeError
 from tiny_gguf import write_tiny_model
 

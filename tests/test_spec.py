@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from specee_cpp.config import LoadConfig, SamplingConfig
-from specee_cpp.engine.attention import use_draft_attention
+from specee_cpp.engine.draft_attention import use_draft_attention
 from specee_cpp.engine.llm import LLM
-from specee_cpp.spec.decode import accept_drafts
+from specee_cpp.speculative.decode import accept_drafts
 from specee_cpp.errors import SpeceeError
 from tiny_gguf import write_tiny_model
 
@@ -86,7 +86,7 @@ def test_spec_errors(small_llm):
 
 
 def test_phases_nest_exclusively():
-    from specee_cpp.spec.decode import Phases
+    from specee_cpp.speculative.decode import Phases
 
     t = iter([0.0, 1.0, 1.5, 3.0, 10.0, 10.25])
     ph = Phases(clock=lambda: next(t))
@@ -115,8 +115,8 @@ def test_a_run_that_will_not_draft_does_not_load_the_draft(small_model, random_d
 def test_a_model_draft_ends_at_the_end_of_generation(small_model):
     """With the target as its own draft, a round that drafts the answer's end-of-turn token
     stops drafting there (rows after it would be verified for nothing)."""
-    from specee_cpp.spec.decode import generate_spec
-    from specee_cpp.spec.policies import FixedGamma
+    from specee_cpp.speculative.decode import generate_spec
+    from specee_cpp.speculative.policies import FixedGamma
 
     def after_end(llm, gamma: int, is_eog) -> int | None:
         """Tokens drafted after the end in the round that drafted it (None: the end was the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specee_cpp.spec.cost import CostModel
-from specee_cpp.spec.suffix import ContextSource, SuffixTrie
+from specee_cpp.speculative.cost import CostModel
+from specee_cpp.speculative.context_drafter import ContextSource, SuffixTrie
 
 FLAT = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1)       # a GPU's verification
 STEEP = CostModel([1.0 + 0.8 * i for i in range(16)], 0.6)       # this CPU's, roughly
@@ -54,7 +54,7 @@ def test_short_context_drafts_that_lose_are_held_back():
     """Where short context drafts keep running slower than plain steps (the copy model
     promising more than this work gives), their guard holds them back for a while, then
     lets them probe again."""
-    from specee_cpp.spec.policies import Guard
+    from specee_cpp.speculative.policies import Guard
 
     text = list(range(20, 40)) * 3 + list(range(20, 25))
     src = ContextSource(FLAT, guard=Guard(plain_tps_prior=1.0, window=2, first_backoff=4))
@@ -82,8 +82,8 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     matches the real run exactly."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.engine.steps import stream
-    from specee_cpp.spec.decode import generate_spec
-    from specee_cpp.spec.policies import FixedGamma
+    from specee_cpp.speculative.decode import generate_spec
+    from specee_cpp.speculative.policies import FixedGamma
 
     prompt = ("Repeat this list exactly three times, separated by blank lines:\n"
               "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon\n")
@@ -107,9 +107,9 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
         if s.n_drafted:
             emitted_before = i - s.n_accept
             assert s.n_drafted <= n - emitted_before - 1, (i, s.n_drafted)
-    # the copy model's replay (spec/copy_model.py) is exact: on plain's greedy output it
+    # the copy model's replay (speculative/context_acceptance.py) is exact: on plain's greedy output it
     # drafts and accepts what the real run did
-    from specee_cpp.spec.copy_model import simulate
+    from specee_cpp.speculative.context_acceptance import simulate
 
     sim = simulate(toks, plain.tokens, FLAT, limit=n)
     assert (st.n_accept, st.n_drafted) == (sim.accepted, sim.drafted)
@@ -118,7 +118,7 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
 # ---- the opt-in history of earlier outputs ------------------------------------------------
 
 def test_history_store_is_bounded_and_survives_a_torn_file(tmp_path):
-    from specee_cpp.spec.history import History
+    from specee_cpp.speculative.history import History
 
     h = History("fp", max_tokens=10, directory=tmp_path)
     assert h.outputs() == [] and len(h.trie()) == 0
@@ -140,7 +140,7 @@ def test_history_store_is_bounded_and_survives_a_torn_file(tmp_path):
 
 
 def test_history_trie_has_no_substring_across_two_outputs(tmp_path):
-    from specee_cpp.spec.history import History
+    from specee_cpp.speculative.history import History
 
     h = History("fp", directory=tmp_path)
     h.add([1, 2, 3])
@@ -171,7 +171,7 @@ def test_spec_with_history_drafts_earlier_outputs_and_stays_lossless(small_model
     from specee_cpp.config import LoadConfig
     from specee_cpp.engine.llm import LLM
     from specee_cpp.errors import SpeceeError
-    from specee_cpp.spec.mode import SpecOptions, use_cost_model
+    from specee_cpp.speculative.mode import SpecOptions, use_cost_model
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
     prompt = "Write a short poem about a lighthouse keeper."

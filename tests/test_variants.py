@@ -1,4 +1,4 @@
-"""`--draft NAME:auto`: the draft variant chosen with this machine's costs (spec/variants.py).
+"""`--draft NAME:auto`: the draft variant chosen with this machine's costs (speculative/variants.py).
 
 Costs and screening ratios are given in the choice tests (the cost model itself is tested in
 test_cost.py, the screening timer below on real files); the variants are real files made by
@@ -11,9 +11,9 @@ import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM
-from specee_cpp.spec import mode as spec_mode
-from specee_cpp.spec import variants
-from specee_cpp.spec.cost import CostModel, CostTable
+from specee_cpp.speculative import mode as spec_mode
+from specee_cpp.speculative import variants
+from specee_cpp.speculative.cost import CostModel, CostTable
 
 
 def table(draft: float, verify: list[float], first: float = 0.0) -> CostTable:

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import FIXED_GAMMAS
-from ..ee.mode import EEOptions
+from ..early_exit.mode import EEOptions
 from ..engine import modes
 from ..errors import SpeceeError
-from ..hyper.mode import SpecEEOptions
-from ..spec.mode import SpecOptions
+from ..spec_ee.mode import SpecEEOptions
+from ..speculative.mode import SpecOptions
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,22 @@ def _spec_simple(name: str, *args: str, draft: bool = False) -> BenchConfig:
                        needs_draft=draft)
 
 
+@dataclass(frozen=True)
+class SpecBenchOptions(SpecOptions):
+    """Mode spec with two switches that exist only to measure what they do, in the same run
+    as the default: ``correction`` (auto's round model scaled by what its rounds reached,
+    ``speculative.acceptance.Correction``) and ``model_scale`` (the draft model's
+    verification priced by what batches are seen to cost, ``speculative.cost.VerifyScale``)."""
+
+    correction: bool = True
+    model_scale: bool = True
+
+
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("plain", "ours", True),
     *[BenchConfig(f"spec-{g}", "ours", True, mode="spec", options=SpecOptions(gamma=g),
                   needs_draft=True) for g in FIXED_GAMMAS],
-    # draft-length policies (spec.policies): ours and the baselines, all lossless
+    # draft-length policies (speculative.policies): ours and the baselines, all lossless
     *[BenchConfig(f"spec-{p}", "ours", True, mode="spec", options=SpecOptions(gamma=p),
                   needs_draft=True) for p in ("auto", "stop", "pmin", "hf", "speckv")],
     # auto without the free drafts from the context: the draft model's part alone
@@ -65,15 +76,15 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # auto with the round model's predictions as fitted, uncorrected by its rounds: the
     # same-run A/B of that correction
     BenchConfig("spec-auto-raw", "ours", True, mode="spec",
-                options=SpecOptions(gamma="auto", correction=False), needs_draft=True),
+                options=SpecBenchOptions(gamma="auto", correction=False), needs_draft=True),
     # auto with the draft model's rounds priced by the cost table as measured, not by what
     # batches are seen to cost (cost.VerifyScale): the same-run A/B of that scale
     BenchConfig("spec-auto-table", "ours", True, mode="spec",
-                options=SpecOptions(gamma="auto", model_scale=False), needs_draft=True),
+                options=SpecBenchOptions(gamma="auto", model_scale=False), needs_draft=True),
     # The defaults (ee-draft, spec-ee) run as a user gets them. Every other early-exit
     # configuration is measured with --unsafe-exits: a benchmark reports their quality, and
     # a provider/rule/target whose exits were measured above the target end to end
-    # (ee/mode.py: check_end_to_end) would otherwise be refused.
+    # (early_exit/mode.py: check_end_to_end) would otherwise be refused.
     BenchConfig("ee-draft", "ours", False, mode="ee", options=EEOptions(provider="draft"),
                 needs_draft=True),
     BenchConfig("ee-ngram", "ours", False, mode="ee",

@@ -122,7 +122,7 @@ def run(opts: BenchOptions, progress: Callable[[int, int, str], None] | None = N
     are summarized and written before the interrupt goes on."""
     from ..engine.llm import LLM
     from ..models.head import full_head_file
-    from ..spec.mode import choose_variant
+    from ..speculative.mode import choose_variant
     from .peers import LlamaCppPeers, static_cache, tools_dir
     from .runner import HISTORY_TOKENS, Runner, load_records
 

@@ -11,7 +11,6 @@ from ..memory import private_weights
 from ..models.gguf_info import read_gguf_info
 from ..models.registry import looks_like_path, resolve_model
 from . import modes
-from . import plain as _plain  # noqa: F401  (registers the plain mode)
 from .chat_template import ChatTemplate
 from .modes import Mode
 from .sequence import Sequence
@@ -121,7 +120,7 @@ class LLM:
         self.config = config
         target_path = resolve(model)
         # NAME:auto: the shipped draft until a speculative mode picks this machine's best
-        # variant with its cost model (spec/variants.py); the mode reads draft_auto
+        # variant with its cost model (speculative/variants.py); the mode reads draft_auto
         self.draft_auto: str | None = None
         v = variant_parts(draft) if draft is not None else None
         if v and v[1][-1].lower() == "auto":
@@ -134,7 +133,7 @@ class LLM:
         self.draft_base_path = variant_base(draft) if draft is not None else None
         self._dft: _Loaded | None = None
         # the draft context's flash attention: llama.cpp's default until the timing
-        # measured on this machine says off is cheaper (engine/attention.py)
+        # measured on this machine says off is cheaper (engine/draft_attention.py)
         self.draft_flash_attn: bool | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()
@@ -252,8 +251,7 @@ class LLM:
                               f"got {type(opts).__name__}")
         if max_tokens < 1:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
-        if m.needs_draft and self.draft_path is None:
-            raise SpeceeError(f"mode {m.name} needs a draft model (--draft)")
+        m.check(self, sampling)
         start = m.start(self, sampling, opts)   # fails here, before any decoding
         tokens = self.prompt_tokens(prompt, chat=chat)
         check_fits(len(tokens), max_tokens, self.n_ctx)

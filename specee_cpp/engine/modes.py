@@ -8,8 +8,8 @@ option) and returns the step generator to run on the prompt's tokens. Whatever a
 derives from the loaded models once (a predictor bundle, a cost model) it keeps with
 ``LLM.cached``, so the LLM itself knows nothing about any mode.
 
-A new mode is one module: a ``Mode`` subclass and ``register(MyMode())`` at its end
-(the built-in ones are imported by ``specee_cpp/__init__.py``; see docs/ARCHITECTURE.md).
+A new mode is one module: a ``Mode`` subclass and ``register(MyMode())`` at its end; the
+built-in ones are imported in one place, ``specee_cpp/__init__.py`` (docs/ARCHITECTURE.md).
 This module imports nothing heavy: registering a mode must not load libllama.
 """
 from __future__ import annotations
@@ -45,6 +45,9 @@ class Mode:
     Options: ClassVar[type] = NoOptions
     needs_draft: ClassVar[bool] = False
     lossless: ClassVar[bool] = True      # greedy output equals plain decoding's
+    # decodes greedily only (early exit picks a token at an exit layer: no distribution to
+    # sample from that is the model's)
+    greedy_only: ClassVar[bool] = False
     help: ClassVar[str] = ""
 
     def options(self, **given: Any):
@@ -57,7 +60,18 @@ class Mode:
                                   f"(its options: {', '.join(known) or 'none'})")
         return self.Options(**given)
 
+    def check(self, llm: LLM, sampling: SamplingConfig) -> None:
+        """What every mode's ``start`` would check first: a draft model where the mode needs
+        one, greedy decoding where it decodes nothing else. Raised with the offending value."""
+        if self.needs_draft and llm.draft_path is None:
+            raise SpeceeError(f"mode {self.name} needs a draft model (--draft)")
+        if self.greedy_only and not sampling.greedy:
+            raise SpeceeError(f"mode {self.name} decodes greedily (early exit changes the "
+                              f"distribution); got temperature {sampling.temperature}")
+
     def start(self, llm: LLM, sampling: SamplingConfig, opts) -> Start:
+        """The step generator for ``opts``, after ``check``: everything that can fail fails
+        here, before any decoding."""
         raise NotImplementedError
 
     def prepare(self, llm: LLM, opts, status: Callable[[str], Any] = no_status) -> None:

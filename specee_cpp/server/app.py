@@ -28,7 +28,7 @@ from ..engine.llm import LLM, check_fits
 from ..engine.modes import Mode
 from ..engine.steps import Stats, Step, Transcript
 from ..errors import SpeceeError
-from ..spec.mode import parse_gamma
+from ..speculative.mode import parse_gamma
 from .schema import ChatRequest, CompletionRequest, Extra
 from .worker import END, Job, QueueFull, Worker
 

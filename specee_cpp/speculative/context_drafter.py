@@ -115,7 +115,7 @@ class SuffixTrie:
 
 def copy_features(prop: Proposal, recent: float, overall: float, run: int, guesses: int,
                   source: float = 0.0, back: int = 0) -> np.ndarray:
-    """The copy model's inputs, one row per proposed token (spec/copy_model.py): its share,
+    """The copy model's inputs, one row per proposed token (context_acceptance.py): its share,
     log(1 + support), the length of the suffix it was matched on and its position in the
     draft; and, the same for every row, how often the trie's first guess was right over the
     recent output and over all of it, log(1 + its current run of right guesses) and
@@ -148,7 +148,7 @@ class ContextSource:
     decoding is faster.
 
     A drafted token's acceptance (given the tokens before it were accepted) is predicted by
-    the copy model fitted for the target (``model``, spec/copy_model.py) from the trie's share
+    the copy model fitted for the target (``model``, context_acceptance.py) from the trie's share
     and support, the match length, the position, and how the trie's first guess has fared on
     this output (``features``). Without one it is estimated as the trie's share times the
     acceptance rate of context drafts with a match of that length so far in this run (a Beta
@@ -156,7 +156,7 @@ class ContextSource:
     draft where verification is dear, and learns within a few rounds whether copying works
     here).
 
-    ``history``, if given, is a trie over the user's earlier outputs (spec/history.py): where
+    ``history``, if given, is a trie over the user's earlier outputs (speculative/history.py): where
     its match with the current context is longer than the context's own, it proposes
     instead, with Beta posteriors of its own (the copy model is fitted on the context's
     drafts only)."""

@@ -61,7 +61,7 @@ def candidates(llm, provider: str, k: int = N_CAND):
     if provider == "draft":
         if llm.draft_path is None:
             raise SpeceeError("the draft provider needs a draft model (--draft)")
-        from ..engine.attention import draft_attention
+        from ..engine.draft_attention import draft_attention
 
         draft_attention(llm)   # it decodes the draft on every token
         return DraftCandidates(llm.dft.seq, k=k)
@@ -163,12 +163,6 @@ def plan(llm, pred, opts: EEOptions):
     return thresholds, sched, note
 
 
-def require_greedy(mode: str, sampling) -> None:
-    if not sampling.greedy:
-        raise SpeceeError(f"mode {mode} decodes greedily (early exit changes the distribution); "
-                          f"got temperature {sampling.temperature}")
-
-
 def describe_target(opts) -> str:
     """A benchmark table's words for the exit setting of ``opts`` (ee's or spec-ee's)."""
     return ((f"threshold {opts.threshold}" if opts.threshold is not None
@@ -180,14 +174,13 @@ class EarlyExit(Mode):
     name = "ee"
     Options = EEOptions
     lossless = False
+    greedy_only = True
     help = "SpecEE early exit (greedy; lossy: see its agreement in bench)"
 
     def start(self, llm, sampling, opts):
         from .decode import generate_ee
 
         from ..engine.steps import with_note
-
-        require_greedy(self.name, sampling)
 
         if opts.provider is None:
             opts = replace(opts, provider="draft" if llm.draft_path is not None else "ngram")

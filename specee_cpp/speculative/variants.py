@@ -239,8 +239,10 @@ def draft_ratio(llm, path: Path) -> float:
 def set_draft(llm, path: Path) -> None:
     """Use the draft file ``path`` (same base model) from now on: the loaded draft and the
     cached costs of the previous one are dropped."""
+    from .mode import forget_costs
+
     if llm.draft_path == path:
         return
     llm.release_draft()
     llm.draft_path = path
-    llm.forget(("spec", "costs"))
+    forget_costs(llm)

@@ -9,7 +9,7 @@
 entropy (a softmax over the vocabulary per drafted token, skipped when no policy reads it).
 
 Ours are cost-aware: they maximise expected tokens per second with the measured per-machine
-cost model (``spec.cost``), so gamma 0 is chosen wherever drafting cannot pay, which on a
+cost model (``speculative.cost``), so gamma 0 is chosen wherever drafting cannot pay, which on a
 2-core CPU with a 0.5B draft is everywhere. SpecKV's objective (tokens per step) and the
 fixed/heuristic rules ignore cost; they are here as baselines.
 """
@@ -257,7 +257,7 @@ class Guard:
 
 
 def context_guard(costs: CostModel | CostTable) -> Guard:
-    """A fresh guard of the context's short drafts (spec/suffix.py) for one generation.
+    """A fresh guard of the context's short drafts (context_drafter.py) for one generation.
     Unlike the draft model's (draft_policy), it is not kept with the pair: whether copying
     from the context pays depends on what this prompt holds, and a verdict carried from
     one prompt to the next held back the drafts of RAG and summary answers after QA ones

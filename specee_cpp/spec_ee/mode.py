@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import MAX_EXIT_ERROR, N_CAND
-from ..ee.mode import EEOptions, describe_target
+from ..early_exit.mode import EEOptions, describe_target
 from ..engine.modes import Mode, no_status, register
-from ..errors import SpeceeError
-from ..spec.mode import Gamma, SpecOptions
+from ..speculative.mode import Gamma, SpecOptions
 
 
 @dataclass(frozen=True)
@@ -49,19 +48,17 @@ class SpecEE(Mode):
     Options = SpecEEOptions
     needs_draft = True
     lossless = False
+    greedy_only = True
     help = "draft then verify, the verify batch exiting early together (greedy; lossy)"
 
     def start(self, llm, sampling, opts):
-        from ..ee.mode import plan, predictors, require_greedy
-        from ..engine.attention import draft_attention
+        from ..early_exit.mode import plan, predictors
+        from ..engine.draft_attention import draft_attention
         from ..engine.steps import with_note
-        from ..spec.decode import generate_spec
-        from ..spec.mode import draft_policy
+        from ..speculative.decode import generate_spec
+        from ..speculative.mode import draft_policy
         from .verify import HyperVerifier
 
-        require_greedy(self.name, sampling)
-        if llm.draft_path is None:
-            raise SpeceeError("mode spec-ee needs a draft model (--draft)")
         pred = predictors(llm, opts.ee)
         policy = draft_policy(llm, opts.spec, kind=opts)
         draft_attention(llm)

@@ -152,7 +152,7 @@ class CostTable:
     points: list[CostModel]       # by increasing context
     key: str = ""
     machine: dict = field(default_factory=dict)
-    # the draft's flash attention the points were measured with (engine/attention.py,
+    # the draft's flash attention the points were measured with (engine/draft_attention.py,
     # which keeps the setting the draft runs with): None for llama.cpp's default, False
     # where off made the draft's tokens cheaper
     draft_flash_attn: bool | None = None
@@ -304,7 +304,7 @@ MEASURE_VERSION = 11  # part of the cache key: a changed method measures again (
 # batches; 8: each sample against a plain token timed just before it; 9: the draft's flash
 # attention chosen first, the draft measured with it; 10: a draft token read as greedy rounds
 # read it, its token and confidence in C, not a copy of its logits; 11: so are the draft
-# variants screened, spec/variants.py)
+# variants screened, speculative/variants.py)
 
 
 def long_sizes(tgt_seq) -> list[int]:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ee.candidates import top_k
-from ..ee.decode import LOOP_REPEATS, LOOP_SPAN, looping
-from ..ee.features import features
-from ..ee.predictor import Predictors
-from ..ee.scheduler import Scheduler
+from ..early_exit.candidates import top_k
+from ..early_exit.decode import LOOP_REPEATS, LOOP_SPAN, looping
+from ..early_exit.features import features
+from ..early_exit.predictor import Predictors
+from ..early_exit.scheduler import Scheduler
 from ..engine.sequence import Sequence
 
 
@@ -36,7 +36,7 @@ def decisive(settled: list[bool], exits: list[int], tokens: list[int]) -> bool:
 
 
 class HyperVerifier:
-    """The ``verifier`` of ``spec.decode.generate_spec`` for mode spec-ee (one per
+    """The ``verifier`` of ``speculative.decode.generate_spec`` for mode spec-ee (one per
     generation: the scheduler keeps the recent exit layers)."""
 
     def __init__(self, predictors: Predictors, scheduler: Scheduler,
@@ -47,7 +47,7 @@ class HyperVerifier:
                  dft: Sequence):
         ctx, n, k = tgt.ctx, len(tokens), self.pred.k
         recent = tgt.tokens[-LOOP_SPAN * LOOP_REPEATS:] + tokens[:1]
-        # a looping output is verified at full depth (ee/decode.py: exits can lock into one)
+        # a looping output is verified at full depth (early_exit/decode.py: exits can lock into one)
         layers = [] if looping(recent) else self.sched.layers(n_rows=n)
         if not layers:   # nothing worth probing: spec's own one-batch verification
             tgt.decode(tokens, all_outputs=True)

@@ -42,7 +42,7 @@ def looping(tokens: list[int], span: int = LOOP_SPAN, repeats: int = LOOP_REPEAT
 def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
                 predictors: Predictors, scheduler: Scheduler, thresholds: dict[int, float],
                 rule: str = "argmax") -> Iterator[Step]:
-    """``thresholds``: the firing threshold of each layer that may be probed (ee/mode.py's
+    """``thresholds``: the firing threshold of each layer that may be probed (early_exit/mode.py's
     exit_plan: from the quality target, or one for all)."""
     ctx = seq.ctx
     n_layer = ctx.model.n_layer

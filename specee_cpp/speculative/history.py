@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..paths import home
-from .suffix import SuffixTrie
+from .context_drafter import SuffixTrie
 
 MAX_TOKENS = 200_000      # about 800 KB on disk; building its trie takes ~0.5 s on 2 cores
 SEP = -1

@@ -1,17 +1,18 @@
 """Mode ``spec``: draft then verify, the draft length chosen each round by a policy.
 
-Its options, and what it derives once per loaded pair (kept with ``LLM.cached``): the
-machine's cost model (measured on first use, cached on disk per machine) and the fitted
-acceptance model (the controller shipped for the draft, or one given as an option).
+Its options, and what it derives from and learns on a loaded pair, in one `PairState`:
+the machine's cost model (measured on first use, cached on disk per machine), the fitted
+acceptance model (the controller shipped for the draft, or one given as an option), and
+the guards, corrections and verification scales its runs learn.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 from ..config import MAX_FREE_VERIFY, MAX_VERIFY
-from ..engine.attention import draft_attention
+from ..engine.draft_attention import draft_attention
 from ..engine.modes import Mode, no_status, register
 from ..engine.plain import PLAIN
 from ..engine.steps import with_note
@@ -33,18 +34,11 @@ class SpecOptions:
     gamma: Gamma = "auto"             # tokens drafted per round, or a policy name
     controller: Path | None = None    # fitted acceptance model; None: the one shipped
     # auto/stop: also draft for free from the context (prompt and output so far) in the
-    # rounds where that is predicted to beat plain decoding (spec/suffix.py)
+    # rounds where that is predicted to beat plain decoding (speculative/context_drafter.py)
     context: bool = True
-    # also draft from this user's earlier outputs, kept on this machine (spec/history.py);
+    # also draft from this user's earlier outputs, kept on this machine (speculative/history.py);
     # opt-in, and only with the context drafts of auto/stop
     history: bool = False
-    # auto: scale the round model's predicted acceptance by what its rounds reached
-    # (spec/acceptance.Correction); off only to measure what it does (bench spec-auto-raw)
-    correction: bool = True
-    # auto/stop: price the draft model's verification by what batches are seen to cost here
-    # (cost.VerifyScale, shared with the context drafter); off only to measure what it does
-    # (bench spec-auto-table: the table as measured)
-    model_scale: bool = True
 
     def __post_init__(self) -> None:
         g = self.gamma
@@ -60,6 +54,38 @@ class SpecOptions:
             object.__setattr__(self, "controller", Path(self.controller))
 
 
+@dataclass
+class PairState:
+    """What speculative decoding derives from and learns on one loaded pair, made once per
+    LLM (``pair_state``) and kept as long as it. The derived parts are read on first use
+    (``get``); the learned ones are kept per mode and options, since a guard's verdict or a
+    correction is about those rounds, and the verification scale per cost table, since it
+    is about the machine."""
+
+    costs: Any = None                  # spec.cost.CostModel: this machine's, or one given
+    costs_given: bool = False          # given (use_cost_model): taken as it is, unscaled
+    base_sha256: dict[Path, str] = field(default_factory=dict)   # the draft's base file
+    controllers: dict[Path, Any] = field(default_factory=dict)   # AcceptanceModel per path
+    copy_model: Any = None             # CopyModel, or None where none is shipped
+    copy_model_read: bool = False
+    variant_note: str | None = None    # NAME:auto's choice, made once
+    history: Any = None                # HistoryDrafts, made on first use
+    guards: dict[tuple, Any] = field(default_factory=dict)        # (kind, opts) -> Guard
+    corrections: dict[tuple, Any] = field(default_factory=dict)   # (kind, opts) -> Correction
+    verify_scales: dict[int, Any] = field(default_factory=dict)   # id(costs) -> VerifyScale
+
+    @staticmethod
+    def get(table: dict, key, make: Callable[[], Any]) -> Any:
+        if key not in table:
+            table[key] = make()
+        return table[key]
+
+
+def pair_state(llm) -> PairState:
+    """The loaded pair's `PairState` (one per LLM)."""
+    return llm.cached(("speculative",), PairState)
+
+
 def controller_path(draft_sha256: str) -> Path:
     """The shipped acceptance model of a draft (it serves any quantization of its target)."""
     return BUNDLE_DIR / f"controller-{draft_sha256[:16]}.npz"
@@ -71,7 +97,7 @@ def base_sha256(llm) -> str:
     from ..models.pull import file_sha256
 
     base = llm.draft_base_path or llm.draft_path
-    return llm.cached(("spec", "base_sha256", base), lambda: file_sha256(base))
+    return PairState.get(pair_state(llm).base_sha256, base, lambda: file_sha256(base))
 
 
 def cost_model(llm, progress=None):
@@ -107,15 +133,25 @@ def cost_model(llm, progress=None):
         draft_attention(llm)   # the setting the draft runs with (the table's is a record)
         return table
 
-    return llm.cached(("spec", "costs"), make)
+    state = pair_state(llm)
+    if state.costs is None:
+        state.costs = make()
+    return state.costs
 
 
 def use_cost_model(llm, costs) -> None:
     """Decide with these costs for this pair instead of measuring (say, a GPU's shape from
     ``simulate.gpu_like``, to see what the controller would do there): taken as given, not
     rescaled by what this machine's batches are seen to cost (``verify_scale``)."""
-    llm.remember(("spec", "costs"), costs)
-    llm.remember(("spec", "costs_given"), costs)
+    state = pair_state(llm)
+    state.costs, state.costs_given = costs, True
+
+
+def forget_costs(llm) -> None:
+    """Measure (or read this machine's cached table) again on next use: another draft file
+    was loaded, or given costs are no longer wanted."""
+    state = pair_state(llm)
+    state.costs, state.costs_given = None, False
 
 
 def acceptance_model(llm, path: Path | None = None):
@@ -138,7 +174,7 @@ def acceptance_model(llm, path: Path | None = None):
                               f"{model.meta['target_shape']}, not {shape}")
         return model
 
-    return llm.cached(("spec", "controller", path), make)
+    return PairState.get(pair_state(llm).controllers, path, make)
 
 
 def has_controller(llm, opts: SpecOptions) -> bool:
@@ -161,21 +197,27 @@ def needs_costs(llm, opts: SpecOptions) -> bool:
 
 
 def copy_model(llm):
-    """The copy model fitted for this target (spec/copy_model.py), or None where none is
+    """The copy model fitted for this target (context_acceptance.py), or None where none is
     shipped: the context drafter then uses its built-in guess."""
-    from .copy_model import CopyModel, bundle_path
+    from .context_acceptance import CopyModel, bundle_path
 
-    path = bundle_path(llm.model.sha256)
-    return llm.cached(("spec", "copy_model"),
-                      lambda: CopyModel.load(path) if path.is_file() else None)
+    state = pair_state(llm)
+    if not state.copy_model_read:
+        path = bundle_path(llm.model.sha256)
+        state.copy_model = CopyModel.load(path) if path.is_file() else None
+        state.copy_model_read = True
+    return state.copy_model
 
 
 def choose_variant(llm, status=no_status) -> str:
     """For ``--draft NAME:auto``: this machine's best variant of the draft, chosen once per
-    LLM (spec/variants.py); returns the note saying which and why."""
+    LLM (speculative/variants.py); returns the note saying which and why."""
     from .variants import choose
 
-    return llm.cached(("spec", "variant"), lambda: choose(llm, llm.draft_auto, status))
+    state = pair_state(llm)
+    if state.variant_note is None:
+        state.variant_note = choose(llm, llm.draft_auto, status)
+    return state.variant_note
 
 
 class HistoryDrafts:
@@ -207,8 +249,10 @@ class HistoryDrafts:
 
 
 def history_drafts(llm) -> HistoryDrafts:
-    return llm.cached(("spec", "history"),
-                      lambda: HistoryDrafts(llm.model.info.tokenizer_fingerprint))
+    state = pair_state(llm)
+    if state.history is None:
+        state.history = HistoryDrafts(llm.model.info.tokenizer_fingerprint)
+    return state.history
 
 
 def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
@@ -229,13 +273,17 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
                          else None,
                          costs=cost_model(llm) if g in NEEDS_COSTS else None,
                          bpw=llm.model.bits_per_weight)
+    state = pair_state(llm)
     if policy.guard is not None:
-        policy.guard = llm.cached(("spec", "guard", kind, opts), lambda: policy.guard)
+        policy.guard = PairState.get(state.guards, (kind, opts), lambda: policy.guard)
     if policy.correction is not None:
-        policy.correction = llm.cached(("spec", "correction", kind, opts),
-                                       lambda: policy.correction) if opts.correction else None
+        # the bench's A/B options may turn the correction or the scale off
+        # (bench.configs.SpecBenchOptions); a user's SpecOptions has neither switch
+        policy.correction = PairState.get(state.corrections, (kind, opts),
+                                          lambda: policy.correction) \
+            if getattr(opts, "correction", True) else None
     scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, _ReadsCosts) \
-        and opts.model_scale else None
+        and getattr(opts, "model_scale", True) else None
     if scale is not None:   # the context drafter's (Spec.start): one per pair and table
         policy.use_scale(scale)
     return policy
@@ -248,9 +296,10 @@ def verify_scale(llm, costs):
     whatever the prompt. None for costs given with ``use_cost_model``: taken as they are."""
     from .cost import VerifyScale
 
-    if llm.cached(("spec", "costs_given"), lambda: None) is costs:
+    state = pair_state(llm)
+    if state.costs_given and state.costs is costs:
         return None
-    return llm.cached(("spec", "verify_scale", id(costs)), VerifyScale)
+    return PairState.get(state.verify_scales, id(costs), VerifyScale)
 
 
 class Spec(Mode):
@@ -262,7 +311,7 @@ class Spec(Mode):
     def start(self, llm, sampling, opts):
         from .decode import generate_spec
         from .policies import FixedGamma
-        from .suffix import ContextSource
+        from .context_drafter import ContextSource
         from .variants import MODEL_DRAFT_MARGIN, WORK_LEVELS, model_drafting_pays
 
         cost_aware = opts.gamma in NEEDS_COSTS
@@ -347,9 +396,9 @@ class Spec(Mode):
         return (f"specee-cpp --mode spec gamma {opts.gamma}"
                 + ("" if opts.context or opts.gamma not in NEEDS_COSTS else " --no-context")
                 + (" --history" if opts.history else "")
-                + ("" if opts.correction or opts.gamma != "auto"
+                + ("" if getattr(opts, "correction", True) or opts.gamma != "auto"
                    else " (round model uncorrected, a bench-only option)")
-                + ("" if opts.model_scale or opts.gamma not in NEEDS_COSTS
+                + ("" if getattr(opts, "model_scale", True) or opts.gamma not in NEEDS_COSTS
                    else " (model drafts priced by the table as measured, a bench-only "
                         "option)"))
 

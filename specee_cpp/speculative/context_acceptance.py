@@ -1,7 +1,7 @@
 """The copy model: the fitted acceptance of free drafts from the context.
 
-Each proposed token of the context drafter (spec/suffix.py) is described by ten numbers
-(``suffix.copy_features``: the trie's share and its support, the length of the suffix it
+Each proposed token of the context drafter (context_drafter.py) is described by ten numbers
+(``context_drafter.copy_features``: the trie's share and its support, the length of the suffix it
 was matched on, its position in the draft; the hit rate of the trie's first guess over the
 recent output and over all of it, its current run of right guesses and how many it made;
 where the copy being followed comes from, the prompt or the output, and for the output how
@@ -36,7 +36,7 @@ from ..paths import BUNDLE_DIR
 from .cost import VerifyScale, as_table
 from .decode import accept_greedy, draft_room
 from .policies import context_guard
-from .suffix import ContextSource, best_prefix
+from .context_drafter import ContextSource, best_prefix
 
 MODEL_VERSION = 2
 FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",

@@ -10,7 +10,7 @@ The child writes a tiny model with tile-friendly shapes (rows and vocabulary mul
 run: AMX where compiled in, CPU_REPACK), and runs a plain decode, a staged decode with
 candidate probes and an exit: every kernel family our decoding takes.
 
-    python -m specee_cpp.probe          # prints one line; exit 0 ok, 1 failed
+    python -m specee_cpp.crash_probe          # prints one line; exit 0 ok, 1 failed
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _signal_name(rc: int) -> str:
 
 
 def _child_command() -> list[str]:
-    return [sys.executable, "-m", "specee_cpp.probe", "--child"]
+    return [sys.executable, "-m", "specee_cpp.crash_probe", "--child"]
 
 
 def _run_child(env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

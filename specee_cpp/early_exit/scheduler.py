@@ -33,7 +33,7 @@ class Scheduler:
 
     def layers(self, n_rows: int = 1) -> list[int]:
         """Layers to probe for the next token (or a batch of ``n_rows`` that exits only
-        together: hyper/), ascending. A batch's exit chance at a layer is taken as the
+        together: spec_ee/), ascending. A batch's exit chance at a layer is taken as the
         token's to the power ``n_rows`` (rows taken as independent, which undercounts easy
         stretches where they are not); costs per row and savings per row scale alike."""
         want = set(self.offline)
