@@ -5,7 +5,7 @@ import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp import provenance
-from specee_cpp.engine import attention
+from specee_cpp.engine import draft_attention as attention
 from specee_cpp.speculative import cost
 from specee_cpp.speculative.mode import SpecOptions, cost_model
 from specee_cpp.speculative.cost import CostModel

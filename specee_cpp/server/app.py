@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
@@ -98,89 +98,64 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
-    """The app serving ``llm``; one worker thread runs its requests in arrival order."""
-    worker = Worker(llm, max_queue=cfg.max_queue)
+# ---- errors, one line each in OpenAI's shape ------------------------------------------------
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        await asyncio.to_thread(worker.close)   # stops the running job; the thread ends
+async def _invalid(request: Request, exc: RequestValidationError):
+    message, param = _validation_message(exc)
+    return error(400, message, param=param)
 
-    app = FastAPI(title="specee-cpp", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
-    app.state.worker = worker
 
-    # ---- errors ---------------------------------------------------------------------------
+async def _http(request: Request, exc: StarletteHTTPException):
+    return error(exc.status_code, str(exc.detail), kind="not_found_error"
+                 if exc.status_code == 404 else "invalid_request_error")
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error(400, message, param=param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), kind="not_found_error"
-                     if exc.status_code == 404 else "invalid_request_error")
+async def _full(request: Request, exc: QueueFull):
+    return error(429, str(exc), kind="rate_limit_error",
+                 headers={"Retry-After": str(exc.retry_after)})
 
-    @app.exception_handler(QueueFull)
-    async def _full(request: Request, exc: QueueFull):
-        return error(429, str(exc), kind="rate_limit_error",
-                     headers={"Retry-After": str(exc.retry_after)})
 
-    @app.exception_handler(SpeceeError)
-    async def _refused(request: Request, exc: SpeceeError):
-        return error(400, str(exc))
+async def _refused(request: Request, exc: SpeceeError):
+    return error(400, str(exc))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
-    # ---- authentication: every route, when a key is set -----------------------------------
+async def _bug(request: Request, exc: Exception):
+    return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
-    if cfg.api_key:
-        expected = f"Bearer {cfg.api_key}".encode()
 
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                             kind="authentication_error", code="invalid_api_key")
-            return await call_next(request)
+ERROR_HANDLERS = {RequestValidationError: _invalid, StarletteHTTPException: _http,
+                  QueueFull: _full, SpeceeError: _refused, Exception: _bug}
 
-    # ---- routes ---------------------------------------------------------------------------
 
-    @app.get("/health")
-    async def health():
-        c = worker.counters
-        return {"status": "ok", "model": cfg.model_name, "mode": cfg.mode.name,
-                "busy": worker.busy, "waiting": worker.waiting, "max_queue": worker.max_queue,
-                "served": c.served, "failed": c.failed, "cancelled": c.cancelled,
-                "refused": c.refused, "last_cancel": c.last_cancel}
+def require_key(api_key: str):
+    """Middleware refusing every route without ``Authorization: Bearer <api_key>`` (compared
+    in constant time)."""
+    expected = f"Bearer {api_key}".encode()
 
-    @app.get("/v1/models")
-    async def list_models():
-        entry = {"id": cfg.model_name, "object": "model", "created": _created(llm),
-                 "owned_by": "specee-cpp",
-                 "specee": {"path": str(llm.model.path), "mode": cfg.mode.name,
-                            "draft": str(llm.draft_path) if llm.draft_path else None}}
-        return {"object": "list", "data": [entry]}
+    async def check(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                         kind="authentication_error", code="invalid_api_key")
+        return await call_next(request)
+    return check
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.text()} for m in body.messages]
-        return await _serve(body, request, messages, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await _serve(body, request, body.text(), chat=False)
+# ---- the served pair: requests become jobs for its one worker -------------------------------
 
-    # ---- the shared path ------------------------------------------------------------------
+@dataclass
+class Server:
+    """The loaded pair, what the server runs when a request does not say, and the worker
+    thread that decodes (one per app, ``app.state.server``)."""
 
-    def _job(body, prompt, chat: bool) -> Job:
-        mode, options = _mode_of(body.specee)
+    llm: LLM
+    cfg: ServeConfig
+    worker: Worker
+
+    def job(self, body, prompt, chat: bool) -> Job:
+        """A request as the worker runs it, refused here if anything about it cannot run."""
+        llm, cfg = self.llm, self.cfg
+        mode, options = self.mode_of(body.specee)
         base = cfg.sampling
         sampling = SamplingConfig(
             temperature=base.temperature if body.temperature is None else body.temperature,
@@ -198,11 +173,12 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
                    stops=body.stops(), mode=mode, options=options,
                    ignore_eos=bool(body.specee and body.specee.ignore_eos))
 
-    def _mode_of(extra: Extra | None) -> tuple[Mode, Any]:
+    def mode_of(self, extra: Extra | None) -> tuple[Mode, Any]:
+        cfg = self.cfg
         if extra is None or (extra.mode is None and extra.gamma is None):
             return cfg.mode, cfg.options
         mode = modes.get(extra.mode) if extra.mode else cfg.mode
-        if mode.needs_draft and llm.draft_path is None:
+        if mode.needs_draft and self.llm.draft_path is None:
             raise SpeceeError(f"specee.mode {mode.name} needs a draft model; start the server "
                               f"with --draft")
         options = cfg.options if mode is cfg.mode else mode.options()
@@ -212,9 +188,11 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
             options = replace(options, gamma=parse_gamma(str(extra.gamma)))
         return mode, options
 
-    async def _serve(body, request: Request, prompt, chat: bool):
-        job = _job(body, prompt, chat)
-        worker.submit(job)
+    async def serve(self, body, request: Request, prompt, chat: bool):
+        """Queue the request, wait for its first step (a request that fails to start gets a
+        status code, not a broken stream), then stream or answer whole."""
+        job = self.job(body, prompt, chat)
+        self.worker.submit(job)
         getter: asyncio.Task | None = None
 
         async def next_item(poll: bool = True):
@@ -241,7 +219,7 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
             await _drain(job)
             raise first
         ids = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-               "created": int(time.time()), "model": cfg.model_name}
+               "created": int(time.time()), "model": self.cfg.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventSourceResponse(
@@ -259,58 +237,121 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
             return error(499, "client closed the request")
         return _response(done, job, ids, chat)
 
-    async def _sse(job: Job, first: Step, ids: dict, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        finished = False
 
-        def chunk(text: str | None, reason: str | None = None, role: bool = False,
-                  **extra) -> str:
-            if chat:
-                delta = ({"role": "assistant"} if role else {}) | \
-                        ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
-                          "finish_reason": reason}
-            return json.dumps({**ids, "object": obj, "choices": [choice], **extra})
+def served(request: Request) -> Server:
+    """The routes' dependency: the app's `Server`."""
+    return request.app.state.server
 
-        try:
-            if chat:
-                yield chunk("", role=True)
-            item, stats = first, None
-            while item is not END:
-                if isinstance(item, Exception):   # failed mid-way: say so in the stream
-                    yield json.dumps(error_body(str(item), kind="server_error"))
-                    break
-                if item.text:
-                    yield chunk(item.text)
-                if item.finish_reason is not None:
-                    stats = item.stats
-                    yield chunk(None if chat else "", reason=_finish(item.finish_reason),
-                                specee=specee_stats(job.mode, stats))
-                item = await job.events.get()
-            finished = True
-            if include_usage and stats is not None:
-                yield json.dumps({**ids, "object": obj, "choices": [], "usage": _usage(stats)})
-            yield "[DONE]"
-        finally:
-            if not finished:
-                job.stop()     # the client left: the worker decodes no further token
 
-    def _response(done: Transcript, job: Job, ids: dict, chat: bool) -> dict:
-        stats = done.stats
-        reason = _finish(stats.finish_reason if stats else "length")
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                      "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
-        return {**ids, "object": "chat.completion" if chat else "text_completion",
-                "choices": [choice], "usage": _usage(stats),
-                "specee": specee_stats(job.mode, stats)}
+# ---- routes ---------------------------------------------------------------------------------
 
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(s: Server = Depends(served)):
+    c, w = s.worker.counters, s.worker
+    return {"status": "ok", "model": s.cfg.model_name, "mode": s.cfg.mode.name,
+            "busy": w.busy, "waiting": w.waiting, "max_queue": w.max_queue,
+            "served": c.served, "failed": c.failed, "cancelled": c.cancelled,
+            "refused": c.refused, "last_cancel": c.last_cancel}
+
+
+@router.get("/v1/models")
+async def list_models(s: Server = Depends(served)):
+    llm = s.llm
+    entry = {"id": s.cfg.model_name, "object": "model", "created": _created(llm),
+             "owned_by": "specee-cpp",
+             "specee": {"path": str(llm.model.path), "mode": s.cfg.mode.name,
+                        "draft": str(llm.draft_path) if llm.draft_path else None}}
+    return {"object": "list", "data": [entry]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, s: Server = Depends(served)):
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.text()} for m in body.messages]
+    return await s.serve(body, request, messages, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request,
+                      s: Server = Depends(served)):
+    return await s.serve(body, request, body.text(), chat=False)
+
+
+def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
+    """The app serving ``llm``; one worker thread runs its requests in arrival order."""
+    worker = Worker(llm, max_queue=cfg.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(worker.close)   # stops the running job; the thread ends
+
+    app = FastAPI(title="specee-cpp", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.worker = worker
+    app.state.server = Server(llm, cfg, worker)
+    for exc, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(exc, handler)
+    if cfg.api_key:   # every route, when a key is set
+        app.middleware("http")(require_key(cfg.api_key))
+    app.include_router(router)
     return app
+
+
+async def _sse(job: Job, first: Step, ids: dict, chat: bool,
+               include_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    finished = False
+
+    def chunk(text: str | None, reason: str | None = None, role: bool = False,
+              **extra) -> str:
+        if chat:
+            delta = ({"role": "assistant"} if role else {}) | \
+                    ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None,
+                      "finish_reason": reason}
+        return json.dumps({**ids, "object": obj, "choices": [choice], **extra})
+
+    try:
+        if chat:
+            yield chunk("", role=True)
+        item, stats = first, None
+        while item is not END:
+            if isinstance(item, Exception):   # failed mid-way: say so in the stream
+                yield json.dumps(error_body(str(item), kind="server_error"))
+                break
+            if item.text:
+                yield chunk(item.text)
+            if item.finish_reason is not None:
+                stats = item.stats
+                yield chunk(None if chat else "", reason=_finish(item.finish_reason),
+                            specee=specee_stats(job.mode, stats))
+            item = await job.events.get()
+        finished = True
+        if include_usage and stats is not None:
+            yield json.dumps({**ids, "object": obj, "choices": [], "usage": _usage(stats)})
+        yield "[DONE]"
+    finally:
+        if not finished:
+            job.stop()     # the client left: the worker decodes no further token
+
+
+def _response(done: Transcript, job: Job, ids: dict, chat: bool) -> dict:
+    stats = done.stats
+    reason = _finish(stats.finish_reason if stats else "length")
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+                  "finish_reason": reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
+    return {**ids, "object": "chat.completion" if chat else "text_completion",
+            "choices": [choice], "usage": _usage(stats),
+            "specee": specee_stats(job.mode, stats)}
 
 
 def _usage(stats: Stats | None) -> dict:

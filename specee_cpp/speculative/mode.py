@@ -63,7 +63,7 @@ class PairState:
     is about the machine."""
 
     costs: Any = None                  # spec.cost.CostModel: this machine's, or one given
-    costs_given: bool = False          # given (use_cost_model): taken as it is, unscaled
+    costs_given: Any = None            # the costs given (use_cost_model): taken as they are
     base_sha256: dict[Path, str] = field(default_factory=dict)   # the draft's base file
     controllers: dict[Path, Any] = field(default_factory=dict)   # AcceptanceModel per path
     copy_model: Any = None             # CopyModel, or None where none is shipped
@@ -144,14 +144,14 @@ def use_cost_model(llm, costs) -> None:
     ``simulate.gpu_like``, to see what the controller would do there): taken as given, not
     rescaled by what this machine's batches are seen to cost (``verify_scale``)."""
     state = pair_state(llm)
-    state.costs, state.costs_given = costs, True
+    state.costs = state.costs_given = costs
 
 
 def forget_costs(llm) -> None:
     """Measure (or read this machine's cached table) again on next use: another draft file
     was loaded, or given costs are no longer wanted."""
     state = pair_state(llm)
-    state.costs, state.costs_given = None, False
+    state.costs = state.costs_given = None
 
 
 def acceptance_model(llm, path: Path | None = None):
@@ -264,7 +264,7 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     64-token answers that was most of the answer); so does the correction of the round model
     (what its predicted acceptance came to on this pair). ``kind`` keeps apart the guards
     of modes that verify differently (spec-ee passes its own options)."""
-    from .policies import _ReadsCosts, make_policy
+    from .policies import CostAware, make_policy
 
     g = opts.gamma
     if isinstance(g, int) and g >= llm.config.n_batch:
@@ -282,7 +282,7 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
         policy.correction = PairState.get(state.corrections, (kind, opts),
                                           lambda: policy.correction) \
             if getattr(opts, "correction", True) else None
-    scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, _ReadsCosts) \
+    scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, CostAware) \
         and getattr(opts, "model_scale", True) else None
     if scale is not None:   # the context drafter's (Spec.start): one per pair and table
         policy.use_scale(scale)
@@ -297,7 +297,7 @@ def verify_scale(llm, costs):
     from .cost import VerifyScale
 
     state = pair_state(llm)
-    if state.costs_given and state.costs is costs:
+    if state.costs_given is costs:
         return None
     return PairState.get(state.verify_scales, id(costs), VerifyScale)
 

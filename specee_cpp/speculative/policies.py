@@ -15,6 +15,8 @@ fixed/heuristic rules ignore cost; they are here as baselines.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..config import MAX_GAMMA
@@ -310,30 +312,28 @@ class SpecKVObjective(_RoundModelPolicy):
         return int(self.gammas[np.argmax(rates * self.gammas + 1)])
 
 
-class _ReadsCosts:
-    """The cost-aware policies' costs: the machine's table, read at the cache's current
-    length whenever it crosses a multiple of ``CONTEXT_STEP`` tokens, its verification
-    batches priced at what they really cost here and now where a ``cost.VerifyScale`` is
-    given (``use_scale``). ``_read`` derives what a policy needs from one CostModel;
-    ``g_max`` is its longest draft."""
+class Prices:
+    """A cost-aware policy's prices: the machine's table read at the cache's current length
+    whenever it crosses a multiple of ``CONTEXT_STEP`` tokens, its verification batches
+    priced at what they really cost here and now where a ``cost.VerifyScale`` is given
+    (``use_scale``). ``costs`` is the CostModel the policy decides with; ``on_read`` derives
+    what the policy needs from it each time it changes. ``g_max``: the longest draft."""
 
-    verify_scale = None
-
-    def _use_costs(self, costs: CostModel | CostTable, g_max: int) -> None:
-        self.table, self.g_max = as_table(costs), g_max
+    def __init__(self, costs: CostModel | CostTable, g_max: int,
+                 on_read: Callable[[CostModel], None]):
+        self.table, self.g_max, self.on_read = as_table(costs), g_max, on_read
         self.plan_is_plain = not self.table.drafting_can_pay(g_max)
+        self.verify_scale = None
         self._bucket = None
-        self._base = self.table.points[0]   # the table at this context, before any scale
+        self.base = self.table.points[0]   # the table at this context, before any scale
         self._scaled_by = (1.0, 1.0)
-        self._read(self._base)
-        self.guard = Guard(1.0 / self.costs.plain, memory=MODEL_GUARD_MEMORY)
+        self._read(self.base)
 
     def use_scale(self, scale) -> None:
-        """Price verification with ``scale`` (a ``cost.VerifyScale``: the one the context
-        drafter shares, kept with the pair), which this policy's own verified batches teach
-        too (``verified``). Whether model drafting can pay at all is judged at the scaled
-        prices: the table is one sample of a ratio that drifts by 10-30% on a shared VM
-        (docs/draft-length.md), and the batches of the 2-core AVX2 EPYC ran ~20% over it."""
+        """Price verification with ``scale`` (the one the context drafter shares, kept with
+        the pair), which the policy's own verified batches teach too. Whether model drafting
+        can pay at all is judged at the scaled prices: the table is one sample of a ratio
+        that drifts by 10-30% on a shared VM (docs/draft-length.md)."""
         self.verify_scale = scale
         self.plan_is_plain = not any(scale.apply(p).drafting_can_pay(self.g_max)
                                      for p in self.table.points)
@@ -342,37 +342,36 @@ class _ReadsCosts:
     def _read(self, costs: CostModel) -> None:
         self.costs = costs
         self.can_pay = costs.drafting_can_pay(self.g_max)
+        self.on_read(costs)
 
     def _rescale(self) -> None:
         """Read the table point at this context again where the scale's factors moved."""
         f = self.verify_scale.factors() if self.verify_scale is not None else (1.0, 1.0)
         if f != self._scaled_by:
             self._scaled_by = f
-            self._read(self._base if self.verify_scale is None
-                       else self.verify_scale.apply(self._base))
+            self._read(self.base if self.verify_scale is None
+                       else self.verify_scale.apply(self.base))
 
-    @property
-    def one_draft_decode_s(self) -> float:
-        return self.costs.draft_token_s
-
-    def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
-        super().at_context(n_tokens, behind, room)
+    def at_context(self, n_tokens: int) -> bool:
+        """Read the table at ``n_tokens`` of cache; whether its point (the plain token's
+        price) changed."""
         bucket = n_tokens // CONTEXT_STEP
-        if bucket != self._bucket and len(self.table.points) > 1:
+        moved = bucket != self._bucket and len(self.table.points) > 1
+        if moved:
             self._bucket = bucket
-            self._base = self.table.at(n_tokens)
+            self.base = self.table.at(n_tokens)
             self._scaled_by = None   # read again below, scaled or not
-            self.guard.plain_prior = 1.0 / self._base.plain
         self._rescale()
+        return moved
 
     def verified(self, n_rows: int, seconds: float) -> None:
         """A full-depth target batch of ``n_rows`` (1: a plain step) took ``seconds`` at
         this context: what the scale learns from."""
         if self.verify_scale is not None:
-            self.verify_scale.observe(self._base, n_rows, seconds)
+            self.verify_scale.observe(self.base, n_rows, seconds)
 
 
-class _TokenRule:
+class TokenRule:
     """The per-token stop rule of the cost-aware policies: after each drafted token, keep it
     while the round's expected tokens per second still rise, using the token model's
     acceptance probability for it (the draft's own top-1 probability and entropy at that
@@ -382,14 +381,18 @@ class _TokenRule:
     position; drafting token i+1 adds its draft cost as well, and is only tried if the
     optimistic estimate (same acceptance as token i) still pays."""
 
-    def _start_round(self) -> None:
-        self._tokens, self._time, self._p_all = 1.0, self.costs.plain, 1.0
-        self._time += self.costs.draft(1)   # the first drafted token is paid for
+    def __init__(self, model: AcceptanceModel, bpw: float):
+        self.model, self.bpw = model, bpw
 
-    def keep(self, i: int, top1: float, entropy: float, force: bool = False) -> bool:
+    def start(self, costs: CostModel) -> None:
+        self._tokens, self._time, self._p_all = 1.0, costs.plain, 1.0
+        self._time += costs.draft(1)   # the first drafted token is paid for
+
+    def keep(self, costs: CostModel, i: int, top1: float, entropy: float,
+             force: bool = False) -> bool:
         """Keep drafted token i? ``force``: keep it whatever it promises (the totals that
         more() reads count it all the same)."""
-        v = self.costs.verify
+        v = costs.verify
         p = self.model.token_p(top1, entropy, i, self.bpw)
         p_all = self._p_all * p
         dv = v(i + 2) - v(i + 1)
@@ -400,8 +403,8 @@ class _TokenRule:
         self._p_next = p_all * p   # optimistic: the next token as likely as this one
         return True
 
-    def more(self, i: int) -> bool:
-        v, c = self.costs.verify, self.costs.draft_token_s
+    def more(self, costs: CostModel, i: int) -> bool:
+        v, c = costs.verify, costs.draft_token_s
         cost = c + v(i + 3) - v(i + 2)
         if (self._tokens + self._p_next) / (self._time + cost) <= self._tokens / self._time:
             return False
@@ -409,7 +412,59 @@ class _TokenRule:
         return True
 
 
-class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
+class CostAware:
+    """What the two cost-aware policies share, each holding its `Prices` and `TokenRule`:
+    the guard against the speeds drafting really reaches, and the hooks that read, rescale
+    and teach the prices. Not a policy itself (``CostAwareGamma``, ``CostAwareStop``)."""
+
+    prices: Prices
+    rule: TokenRule
+
+    def _price(self, costs: CostModel | CostTable, g_max: int, model: AcceptanceModel,
+               bpw: float) -> None:
+        self.prices = Prices(costs, g_max, self._derive)
+        self.rule = TokenRule(model, bpw)
+        self.guard = Guard(1.0 / self.costs.plain, memory=MODEL_GUARD_MEMORY)
+
+    def _derive(self, costs: CostModel) -> None:
+        """What the policy derives from the costs it decides with (nothing by default)."""
+
+    @property
+    def costs(self) -> CostModel:
+        return self.prices.costs
+
+    @property
+    def can_pay(self) -> bool:
+        return self.prices.can_pay
+
+    @property
+    def plan_is_plain(self) -> bool:
+        return self.prices.plan_is_plain
+
+    @property
+    def verify_scale(self):
+        return self.prices.verify_scale
+
+    def use_scale(self, scale) -> None:
+        self.prices.use_scale(scale)
+
+    @property
+    def one_draft_decode_s(self) -> float:
+        return self.costs.draft_token_s
+
+    def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
+        DraftPolicy.at_context(self, n_tokens, behind, room)
+        if self.prices.at_context(n_tokens):
+            self.guard.plain_prior = 1.0 / self.prices.base.plain
+
+    def verified(self, n_rows: int, seconds: float) -> None:
+        self.prices.verified(n_rows, seconds)
+
+    def more(self, i: int) -> bool:
+        return self.rule.more(self.costs, i)
+
+
+class CostAwareGamma(CostAware, _RoundModelPolicy):
     """Ours: whether to draft this round, and at most how many, from the round model: the
     gamma (0 included) maximising expected tokens per second,
     (1 + rate(g) * g) / (g * draft_cost + verify_cost(g + 1)); then, token by token, the
@@ -437,10 +492,9 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
         self.correction = Correction()
         self.explore_every = explore_every
         self.n_plain = 0
-        self._use_costs(costs, int(self.gammas.max()))
+        self._price(costs, int(self.gammas.max()), model, bpw)
 
-    def _read(self, costs: CostModel) -> None:
-        super()._read(costs)
+    def _derive(self, costs: CostModel) -> None:
         self.time = np.array([costs.draft(k) + costs.verify(k + 1) for k in self.gammas])
         self.plain_tps = 1.0 / costs.plain
 
@@ -483,7 +537,7 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
                 return 0
             g = int(self.gammas.max())
             self._exploring = True
-        self._start_round()
+        self.rule.start(self.costs)
         return g
 
     def _exploring_can_pay(self) -> bool:
@@ -574,11 +628,11 @@ class CostAwareGamma(_TokenRule, _ReadsCosts, _RoundModelPolicy):
     def keep(self, i: int, top1: float, entropy: float) -> bool:
         # an exploring round keeps its first token whatever it promises: it is there to
         # refresh the round statistics, which only a drafted token does
-        return super().keep(i, top1, entropy, force=self._exploring and i == 0)
+        return self.rule.keep(self.costs, i, top1, entropy, force=self._exploring and i == 0)
 
 
-class CostAwareStop(_TokenRule, _ReadsCosts, DraftPolicy):
-    """Ours, per token only: every round drafts, and the stop rule (:class:`_TokenRule`)
+class CostAwareStop(CostAware, DraftPolicy):
+    """Ours, per token only: every round drafts, and the stop rule (:class:`TokenRule`)
     decides how many tokens to keep. A round whose first token is dropped still paid for
     it, which the guard sees."""
 
@@ -588,13 +642,16 @@ class CostAwareStop(_TokenRule, _ReadsCosts, DraftPolicy):
     def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
                  n_max: int = MAX_GAMMA):
         self.model, self.bpw, self.n_max = model, bpw, n_max
-        self._use_costs(costs, n_max)
+        self._price(costs, n_max, model, bpw)
 
     def plan(self) -> int:
         if not self.can_pay:
             return 0
-        self._start_round()
+        self.rule.start(self.costs)
         return self.guard.gate(self.n_max)
+
+    def keep(self, i: int, top1: float, entropy: float) -> bool:
+        return self.rule.keep(self.costs, i, top1, entropy)
 
 
 POLICY_NAMES = ("auto", "stop", "pmin", "hf", "speckv")
