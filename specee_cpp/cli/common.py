@@ -195,7 +195,8 @@ def _stats_line(stats, verbose: bool = False) -> str:
     """One line after an answer: tokens, speed and, where drafted, the share kept (or the
     share of tokens that exited early); ``verbose`` adds the prefill, who drafted, the mean
     exit layer and the mode's note (what it chose for this machine and why)."""
-    parts = [f"{stats.n_gen} tokens", f"{stats.decode_tps:.1f} tok/s"]
+    parts = [f"{stats.n_gen} token{'' if stats.n_gen == 1 else 's'}",
+             f"{stats.decode_tps:.1f} tok/s"]
     if verbose:
         parts.append(f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s")
     if stats.n_drafted:
