@@ -1,4 +1,5 @@
-"""Configuration dataclasses: every default lives here, once."""
+"""Configuration: the defaults a user can change (dataclasses) and the tuning constants the
+decoding logic decides with, each written here once with its reason."""
 from __future__ import annotations
 
 import math
@@ -29,6 +30,64 @@ MAX_VERIFY = 16       # largest target batch the cost model measures one by one 
 LONG_BATCHES = (24, 32, 48, 64)
 MAX_FREE_VERIFY = LONG_BATCHES[-1]
 FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked
+
+
+# ---- tuning: the constants the decoding logic decides with ----------------------------------
+# Each line says why the value is what it is; the measurements behind them are in
+# docs/draft-length.md (speculative decoding) and docs/early-exit.md (early exit).
+
+# draft-length policies (speculative/policies.py)
+CONTEXT_STEP = 64          # re-read the cost table each time the cache grows this much (cheap)
+EXPLORE_HORIZON = 64       # tokens a lesson or a catch-up pays off over when no limit is set
+EXPLORE_EVERY = 16         # plain steps before an exploring round refreshes the statistics
+ROUND_CATCH_UP = 2         # tokens a draft is behind after a drafted round (never a batch)
+GUARD_WINDOW = 4           # drafted rounds a guard judges before a verdict (one is noise)
+GUARD_FIRST_BACKOFF = 16   # plain steps after a losing verdict; doubles while probes lose
+GUARD_MAX_BACKOFF = 512    # so that a machine that changes is probed again within an answer
+MODEL_GUARD_MEMORY = 8     # the draft model's guard outlives answers: judged on more rounds
+PMIN_P = 0.75              # llama.cpp draft-simple's default p-min (the baseline as shipped)
+HF_START, HF_MAX = 4, 16   # Hugging Face's heuristic as it ships
+# the round model's correction by what its rounds reached (speculative/acceptance.py):
+# decayed over ~16 rounds, shrunk towards 1 as if 4 rounds had come out as predicted, kept
+# within [0.5, 1.5] (a factor that stops drafting gets no rounds to undo it), halved every
+# 128 plain steps for the same reason
+CORRECTION_WINDOW, CORRECTION_PRIOR = 16, 4.0
+CORRECTION_LO, CORRECTION_HI, CORRECTION_HALF_LIFE = 0.5, 1.5, 128
+# what batches really cost against the table (speculative/cost.py VerifyScale): shrunk by 8
+# observations (one round is noise), remembered over ~64, each ratio clipped to [1/2, 2]
+SCALE_PRIOR, SCALE_WINDOW, SCALE_CLIP = 8.0, 64, (0.5, 2.0)
+
+# the context drafter (speculative/context_drafter.py)
+TRIE_DEPTH = 8             # longest suffix matched: longer matches add lookups, not accuracy
+BANDS = (3, 5)             # match lengths 1-2, 3-4, 5+: the built-in guess's posteriors
+COPY_PRIOR = 6.0           # rounds of the per-answer correction's prior (4 and 6 alike, 3 lost RAG)
+HIT_ALPHA = 1.0 / 16       # the recent hit rate: a moving average over ~16 tokens
+HIT_PRIOR = 0.5            # a first guess's hit rate before any was seen
+COPY_GRAM = 4              # tokens a copy in progress is matched on
+FOLLOW_MIN = 16            # tokens repeated before a copy is followed whole (8-24 replayed alike)
+FOLLOW_HITS = 0.8          # the first guesses' recent hit rate a followed copy needs
+
+# the copy model's fit (speculative/context_acceptance.py)
+COPY_PER_STREAM = 100      # samples per output stream: no stream outweighs the others
+COPY_EPOCHS = 300          # at 30 the nets were still learning (held-out loss 0.325 vs 0.297)
+COPY_MEMBERS = 3           # nets averaged: one net's replayed speed moved 1.5% with its seed
+
+# cheaper drafts chosen per machine (speculative/variants.py)
+# acceptances a variant is scored at: general prompts (~0.6) to code and rewrites (0.8-0.9)
+WORK_LEVELS = (0.6, 0.7, 0.8, 0.9)
+# the draft model is kept only where it is predicted to gain this much at some work level:
+# the cost table's rounds leave out what holding a draft costs besides them
+MODEL_DRAFT_MARGIN = 1.05
+SCREEN_CONTEXT = 128       # tokens cached before a variant's timed decodes (the table's first)
+SCREEN_TOKENS = 8          # draft decodes a timing sample
+SCREEN_REPEATS = 5         # samples a variant (the median is kept)
+HISTORY_MAX_TOKENS = 200_000   # the opt-in history store: ~800 KB, its trie ~0.5 s to build
+
+# early exit (early_exit/)
+THRESHOLD_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)   # calibrated
+MIN_FIRES = 10             # held-out exits a layer needs at a threshold to be trusted there
+LOOP_SPAN, LOOP_REPEATS = 16, 3   # the repetition guard: a block of up to 16, 3 times in a row
+PAD_GAP = 30.0             # feature value of a probe with no earlier one (a large gap)
 
 
 def default_threads() -> int:

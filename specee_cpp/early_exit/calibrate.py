@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import MAX_EXIT_ERROR, N_CAND
+from ..config import MAX_EXIT_ERROR, MIN_FIRES, N_CAND, THRESHOLD_GRID
 from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
@@ -33,10 +33,8 @@ from .scheduler import offline_layers
 
 Progress = Callable[[str, int, int], None]
 
-# thresholds an exit curve is measured at; the lowest one meeting the quality target wins
-THRESHOLD_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 RULES = ("argmax", "candidate")
-MIN_FIRES = 10   # a layer needs this many held-out exits at a threshold to be trusted there
+
 
 
 @dataclass(frozen=True)

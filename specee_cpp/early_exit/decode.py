@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..config import LOOP_REPEATS, LOOP_SPAN
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
 from .candidates import CandidateProvider
@@ -22,8 +23,6 @@ from .features import features
 from .predictor import Predictors
 from .scheduler import Scheduler
 
-LOOP_SPAN = 16      # longest repeated block the repetition guard looks for
-LOOP_REPEATS = 3    # ... repeated this many times in a row
 
 
 def looping(tokens: list[int], span: int = LOOP_SPAN, repeats: int = LOOP_REPEATS) -> bool:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import PAD_GAP
+
 FEATURE_VERSION = 1
-PAD_GAP = 30.0
 
 
 def pad_logits(logits: np.ndarray, k: int) -> np.ndarray:

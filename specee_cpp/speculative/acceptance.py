@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import (CORRECTION_HALF_LIFE, CORRECTION_HI, CORRECTION_LO, CORRECTION_PRIOR,
+                      CORRECTION_WINDOW)
 from ..errors import SpeceeError
 from ..mlp import forward, load_npz, save_npz, train_mlp
 
@@ -53,8 +55,9 @@ class Correction:
     MT-Bench/QA answers after a first that drafted badly (x0.66) drew 4 model rounds in
     all, and a chat that moved on to code would not have drafted with the model again."""
 
-    def __init__(self, window: int = 16, prior: float = 4.0, lo: float = 0.5,
-                 hi: float = 1.5, half_life: int = 128):
+    def __init__(self, window: int = CORRECTION_WINDOW, prior: float = CORRECTION_PRIOR,
+                 lo: float = CORRECTION_LO, hi: float = CORRECTION_HI,
+                 half_life: int = CORRECTION_HALF_LIFE):
         self.keep, self.prior, self.lo, self.hi = 1.0 - 1.0 / window, prior, lo, hi
         self.fade = 0.5 ** (1.0 / half_life)
         self.predicted = self.observed = self.rounds = 0.0   # decayed sums

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import COPY_EPOCHS, COPY_MEMBERS, COPY_PER_STREAM
 from ..errors import SpeceeError
 from ..mlp import forward_mean, load_npz, save_npz, stack, train_mlp
 from ..paths import BUNDLE_DIR
@@ -42,15 +43,9 @@ MODEL_VERSION = 2
 FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",
             "log1p_run", "log1p_guesses", "copy_source", "log1p_output_copy_back")
 _NAMES = [f"n{i}" for i in range(6)]
-PER_STREAM = 100   # samples kept per output stream when fitting (see ``dataset``)
-# ~8k samples in batches of 1k: at 30 epochs (~240 Adam steps) the net was still learning
-# (held-out log loss 0.325; 0.297 at 300, docs/bench/copy-model.json)
-EPOCHS = 300
-# Nets averaged, each fitted with its own seed and its own subsample of every stream: one
-# net's replayed speed-up moved by 1.5% with the seed alone (5-fold dev replay, all streams,
-# version 1's features: 1.424-1.439x over seeds 0-2), means of three by 0.1-0.8%
-# (1.430x and 1.431x; version 2: 1.433-1.444x over three triples; docs/draft-length.md).
-MEMBERS = 3
+# the fit's sizes (config: samples per stream, epochs, nets averaged; the evidence is in
+# docs/bench/copy-model.json and docs/draft-length.md)
+PER_STREAM, EPOCHS, MEMBERS = COPY_PER_STREAM, COPY_EPOCHS, COPY_MEMBERS
 
 
 def bundle_path(target_sha256: str) -> Path:

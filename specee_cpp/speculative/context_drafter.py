@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import MAX_FREE_VERIFY, MAX_VERIFY
+from ..config import (BANDS, COPY_GRAM, COPY_PRIOR, FOLLOW_HITS, FOLLOW_MIN, HIT_ALPHA, HIT_PRIOR,
+                      MAX_FREE_VERIFY, MAX_VERIFY, TRIE_DEPTH)
 from .acceptance import Correction
 
 
@@ -32,7 +33,7 @@ class Proposal:
 
 
 class SuffixTrie:
-    def __init__(self, depth: int = 8):
+    def __init__(self, depth: int = TRIE_DEPTH):
         if depth < 2:
             raise ValueError(f"depth must be >= 2, got {depth}")
         self.depth = depth
@@ -161,12 +162,9 @@ class ContextSource:
     instead, with Beta posteriors of its own (the copy model is fitted on the context's
     drafts only)."""
 
-    BANDS = (3, 5)                # match lengths 1-2, 3-4, 5+
-    COPY_PRIOR = 6.0              # rounds of the copy model's correction's prior
-    HIT_ALPHA = 1.0 / 16          # the recent hit rate: a moving average over ~16 tokens
-    HIT_PRIOR = 0.5
+    BANDS, COPY_PRIOR, HIT_ALPHA, HIT_PRIOR = BANDS, COPY_PRIOR, HIT_ALPHA, HIT_PRIOR   # config
 
-    def __init__(self, costs, depth: int = 8, n_max: int = MAX_VERIFY - 1,
+    def __init__(self, costs, depth: int = TRIE_DEPTH, n_max: int = MAX_VERIFY - 1,
                  history: SuffixTrie | None = None, model=None,
                  follow_max: int = MAX_FREE_VERIFY - 1,
                  is_eog: Callable[[int], bool] | None = None, guard=None,
@@ -262,9 +260,7 @@ class ContextSource:
     # 1.575x of plain without the rule, 1.681x drafting 15 tokens first and doubling while
     # kept whole, 1.743x drafting the whole stretch (docs/draft-length.md, "Long copies").
     # llama.cpp's ngram-map-k drafts up to 48 tokens after a 12-token match.
-    COPY_GRAM = 4
-    FOLLOW_MIN = 16
-    FOLLOW_HITS = 0.8
+    COPY_GRAM, FOLLOW_MIN, FOLLOW_HITS = COPY_GRAM, FOLLOW_MIN, FOLLOW_HITS   # config
 
     def _follow(self, t: int) -> None:
         """Before ``t`` joins the context: advance the followed copy if ``t`` continues it,

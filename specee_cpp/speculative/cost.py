@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..config import COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY
+from ..config import (COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY, SCALE_CLIP, SCALE_PRIOR,
+                      SCALE_WINDOW)
 from ..paths import home, write_text_atomic
 
 N_MAX = MAX_VERIFY
@@ -214,7 +215,7 @@ class VerifyScale:
     context drafter and the draft model's cost-aware policy (each prices its rounds with it
     and teaches it with the batches it verified)."""
 
-    def __init__(self, prior: float = 8.0, window: int = 64):
+    def __init__(self, prior: float = SCALE_PRIOR, window: int = SCALE_WINDOW):
         self.prior, self.keep = prior, 1.0 - 1.0 / window
         self._sum = {"plain": 0.0, "short": 0.0, "long": 0.0}   # decayed sums of log ratios
         self._n = {"plain": 0.0, "short": 0.0, "long": 0.0}     # and of their weights
@@ -229,7 +230,7 @@ class VerifyScale:
         (the table at that context) say ``costs.verify(n_rows)``."""
         if seconds <= 0:
             return
-        ratio = min(max(seconds / costs.verify(n_rows), 0.5), 2.0)
+        ratio = min(max(seconds / costs.verify(n_rows), SCALE_CLIP[0]), SCALE_CLIP[1])
         k = self._kind(n_rows)
         self._sum[k] = self.keep * self._sum[k] + float(np.log(ratio))
         self._n[k] = self.keep * self._n[k] + 1.0

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import HISTORY_MAX_TOKENS, TRIE_DEPTH
 from ..paths import home
 from .context_drafter import SuffixTrie
 
-MAX_TOKENS = 200_000      # about 800 KB on disk; building its trie takes ~0.5 s on 2 cores
+MAX_TOKENS = HISTORY_MAX_TOKENS   # config
 SEP = -1
 
 
@@ -64,7 +65,7 @@ class History:
         data.tofile(tmp)
         os.replace(tmp, self.path)
 
-    def trie(self, depth: int = 8) -> SuffixTrie:
+    def trie(self, depth: int = TRIE_DEPTH) -> SuffixTrie:
         """A suffix trie over the stored outputs, no substring spanning two of them."""
         t = SuffixTrie(depth)
         for o in self.outputs():

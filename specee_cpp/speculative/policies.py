@@ -19,23 +19,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import MAX_GAMMA
+from ..config import (CONTEXT_STEP, EXPLORE_EVERY, EXPLORE_HORIZON, GUARD_FIRST_BACKOFF,
+                      GUARD_MAX_BACKOFF, GUARD_WINDOW, HF_MAX, HF_START, MAX_GAMMA,
+                      MODEL_GUARD_MEMORY, PMIN_P, ROUND_CATCH_UP)
 from ..errors import SpeceeError
 from .acceptance import AcceptanceModel, Correction, round_stats
 from .cost import CostModel, CostTable, as_table
-
-# cost-aware policies re-read their costs when the cache crosses a multiple of this
-CONTEXT_STEP = 64
-# the tokens an exploring round's lesson (or a long catch-up) can pay off over when the
-# caller sets no limit
-EXPLORE_HORIZON = 64
-# the draft's catch-up after a drafted round: the last drafted token (accepted, never decoded
-# by the draft) and the target's own token; a draft further behind has a batch to read first
-ROUND_CATCH_UP = 2
-# drafted rounds the draft model's guard remembers (Guard: decayed sums); its verdicts last
-# across generations, so they are reached on more rounds than a context guard's
-MODEL_GUARD_MEMORY = 8
-
 
 class DraftPolicy:
     name = "policy"
@@ -124,7 +113,7 @@ class PMinRule(DraftPolicy):
 
     needs_confidence = True
 
-    def __init__(self, n_max: int = MAX_GAMMA, p_min: float = 0.75):
+    def __init__(self, n_max: int = MAX_GAMMA, p_min: float = PMIN_P):
         self.n_max, self.p_min, self.name = n_max, p_min, f"pmin-{p_min:g}-max{n_max}"
 
     def plan(self) -> int:
@@ -140,7 +129,7 @@ class HFHeuristic(DraftPolicy):
 
     name = "hf-heuristic"
 
-    def __init__(self, start: int = 4, n_max: int = 16):
+    def __init__(self, start: int = HF_START, n_max: int = HF_MAX):
         self.n, self.n_max = start, n_max
 
     def plan(self) -> int:
@@ -180,8 +169,9 @@ class Guard:
     ``losing`` holds from a verdict against drafting until the next drafted round: while it
     holds, the policy does not pay a long catch-up to probe (see ``CostAwareGamma``)."""
 
-    def __init__(self, plain_tps_prior: float, window: int = 4, first_backoff: int = 16,
-                 max_backoff: int = 512, memory: int | None = None):
+    def __init__(self, plain_tps_prior: float, window: int = GUARD_WINDOW,
+                 first_backoff: int = GUARD_FIRST_BACKOFF, max_backoff: int = GUARD_MAX_BACKOFF,
+                 memory: int | None = None):
         self.plain_prior, self.window = plain_tps_prior, window
         self.alpha = 1.0 / window
         self.decay = 1.0 - 1.0 / (memory or window)   # what the drafted sums keep a round
@@ -487,7 +477,7 @@ class CostAwareGamma(CostAware, _RoundModelPolicy):
     name = "ours-gamma"
 
     def __init__(self, model: AcceptanceModel, costs: CostModel | CostTable, bpw: float,
-                 gammas=range(1, MAX_GAMMA + 1), explore_every: int = 16):
+                 gammas=range(1, MAX_GAMMA + 1), explore_every: int = EXPLORE_EVERY):
         super().__init__(model, bpw, gammas)
         self.correction = Correction()
         self.explore_every = explore_every

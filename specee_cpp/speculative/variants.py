@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import MODEL_DRAFT_MARGIN, SCREEN_CONTEXT, SCREEN_REPEATS, SCREEN_TOKENS, WORK_LEVELS
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR, write_text_atomic
 
@@ -51,11 +52,7 @@ def predicted_speedup(costs, acceptance: float) -> tuple[float, int]:
     return c.expected_tps(acceptance, g) * c.plain, g
 
 
-# Per-token acceptances of the shipped draft over the work a variant will meet: the record's
-# acceptance is the mean over general dev prompts (~0.6, where a 2-core CPU's costs let no
-# draft pay), code and rewrites reach 0.8-0.9, and that is where a cheaper draft pays most.
-# A variant is scored at each level times its acceptance relative to the shipped draft's.
-WORK_LEVELS = (0.6, 0.7, 0.8, 0.9)
+
 
 
 def workload_score(costs, relative: float) -> float:
@@ -77,14 +74,7 @@ def pays_from(costs, relative: float) -> float:
     return 2.0
 
 
-# The least predicted speed-up over plain, at some acceptance of WORK_LEVELS, for which a
-# cost-aware run keeps the draft model: the table's rounds leave out what holding a draft
-# costs besides them (its catch-up decodes after plain steps and free drafts, the rounds
-# whose first token it rejects). On a 2-core AVX2 EPYC whose cheap verification let the
-# IQ4_NL draft pay only from 90% acceptance (1.0002x predicted at 0.9, 1.079x at 0.95),
-# holding it ran spec-auto at 0.857x plain on mt_bench first turns and 0.913x on qa, no
-# model-drafted token kept (docs/draft-length.md, "When the draft model stays out").
-MODEL_DRAFT_MARGIN = 1.05
+
 
 
 def model_drafting_pays(costs) -> bool:
@@ -182,9 +172,6 @@ def choose(llm, base_name: str, status) -> str:
             + (f"; not tried: {'; '.join(failed)}" if failed else ""))
 
 
-SCREEN_CONTEXT = 128   # tokens cached before the timed decodes (the cost table's first)
-SCREEN_TOKENS = 8      # draft decodes a sample
-SCREEN_REPEATS = 5
 
 
 def draft_ratio(llm, path: Path) -> float:
