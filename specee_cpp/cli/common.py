@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..config import N_CTX, LoadConfig, SamplingConfig
 from ..errors import SpeceeError
@@ -210,6 +211,11 @@ def _stats_line(stats, verbose: bool = False) -> str:
         parts.append(f"{share} at mean layer {mean:.1f}" if verbose else f"{share} early")
     line = ", ".join(parts)
     return f"{line}; {stats.note}" if verbose and stats.note else line
+
+
+def print_stats(stats, verbose: bool = False) -> None:
+    """The stats line after an answer, on stderr (its text is not rich markup)."""
+    err.print(f"[dim]{escape(_stats_line(stats, verbose))}[/dim]")
 
 
 OptVerbose = typer.Option(False, "--verbose", "-v",

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from ..errors import SpeceeError
 from .common import (ModeFlags, OptCtx, OptDraft, OptGpu, OptMaxTokens, OptSeed, OptTemp,
                      OptThreads, OptTopK, OptTopP, OptVerbose, _EXIT_WORDS, _default_pair, _load,
-                     _load_config, _sampling, _stats_line, app, err, out, with_mode_flags)
+                     _load_config, _sampling, app, err, out, print_stats, with_mode_flags)
+
 
 @app.command()
 @with_mode_flags
@@ -48,7 +48,7 @@ def generate(
                               "tokens": done.tokens, "stats": done.stats.as_dict()}))
         else:
             out.print()
-            err.print(f"[dim]{escape(_stats_line(done.stats, verbose))}[/dim]")
+            print_stats(done.stats, verbose)
 
 
 @app.command()
@@ -105,7 +105,7 @@ def chat(
             out.print()
             messages.append({"role": "assistant", "content": reply.text})
             if reply.stats is not None:
-                err.print(f"[dim]{escape(_stats_line(reply.stats, verbose))}[/dim]")
+                print_stats(reply.stats, verbose)
 
 
 @app.command()

@@ -6,7 +6,7 @@ was matched on, its position in the draft; the hit rate of the trie's first gues
 recent output and over all of it, its current run of right guesses and how many it made;
 where the copy being followed comes from, the prompt or the output, and for the output how
 far back);
-the model, the mean of MEMBERS small MLPs of ``mlp.py``, says how likely the target accepts
+the model, the mean of COPY_MEMBERS small MLPs of ``mlp.py``, says how likely the target accepts
 the token given that the tokens before it were accepted. It replaces the drafter's built-in guess
 (share x a per-run Beta posterior starting at 2/3), which is blind to what kind of output
 it is in: where verification is dear it never dares to draft, code edits included, and where
@@ -43,9 +43,6 @@ MODEL_VERSION = 2
 FEATURES = ("share", "log1p_support", "match", "position", "recent_hits", "output_hits",
             "log1p_run", "log1p_guesses", "copy_source", "log1p_output_copy_back")
 _NAMES = [f"n{i}" for i in range(6)]
-# the fit's sizes (config: samples per stream, epochs, nets averaged; the evidence is in
-# docs/bench/copy-model.json and docs/draft-length.md)
-PER_STREAM, EPOCHS, MEMBERS = COPY_PER_STREAM, COPY_EPOCHS, COPY_MEMBERS
 
 
 def bundle_path(target_sha256: str) -> Path:
@@ -261,8 +258,8 @@ def dataset(streams: list[dict], per_stream: int = 0, seed: int = 0
     return _pool([samples(s["prompt"], s["output"]) for s in streams], per_stream, seed)
 
 
-def fit(streams: list[dict], hidden: int = 16, epochs: int = EPOCHS, seed: int = 0,
-        per_stream: int = PER_STREAM, members: int = MEMBERS, meta: dict | None = None
+def fit(streams: list[dict], hidden: int = 16, epochs: int = COPY_EPOCHS, seed: int = 0,
+        per_stream: int = COPY_PER_STREAM, members: int = COPY_MEMBERS, meta: dict | None = None
         ) -> CopyModel:
     """Fit on greedy output streams (``{"prompt": [...], "output": [...]}`` each):
     ``members`` nets, seeds ``seed``, ``seed + 1``, ..., each on its own subsample."""
@@ -298,7 +295,7 @@ def held_out_report(streams: list[dict], costs, meta: dict | None = None,
     train = [s for i, s in enumerate(streams) if i not in held]
     test = [s for i, s in enumerate(streams) if i in held]
     model = fit(train, meta=meta)
-    X, y = dataset(test, PER_STREAM)   # weighted as in fitting: each stream alike
+    X, y = dataset(test, COPY_PER_STREAM)   # weighted as in fitting: each stream alike
     rep: dict = {"n_train_streams": len(train), "n_held_out_streams": len(test),
                  "n_train_samples": model.meta["n_samples"], "n_held_out_samples": int(len(y))}
     if len(y):

@@ -136,6 +136,7 @@ class Round:
     base: int                 # target tokens before the round (its last emitted one not in)
     behind: int               # tokens the draft model has not read yet
     free: list[int]           # a free draft from the context (empty: the policy's round)
+    free_source: str          # who proposed ``free`` (the context drafter's ``source``)
     g_max: int                # most tokens the draft model may draft (0 with a free draft)
     ph: Phases = field(default_factory=Phases)
     draft: list[int] = field(default_factory=list)
@@ -148,7 +149,7 @@ class Round:
 
     @property
     def source(self) -> str | None:
-        return None if not self.draft else "model" if not self.free else "context"
+        return None if not self.draft else self.free_source if self.free else "model"
 
     def timings(self) -> dict[str, float]:
         # a plain step may follow a draft whose first token was dropped (g_max > 0)
@@ -223,7 +224,7 @@ class SpecLoop:
             g_max = 0 if free else self.policy.plan()
             if room is not None:
                 g_max = min(g_max, room)
-        return Round(base, behind, free, g_max, ph)
+        return Round(base, behind, free, self.context.source if free else "", g_max, ph)
 
     def draft(self, r: Round, token: int) -> None:
         """Fill ``r.draft``: the free draft, or the draft model's tokens one at a time while
@@ -353,6 +354,6 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         for tok in r.draft[:r.n_acc]:
             yield Step(token=tok, exit_layer=r.exit_layer)
         yield Step(token=r.nxt, exit_layer=r.exit_layer, n_drafted=len(r.draft),
-                   n_accept=r.n_acc, source=context.source if r.free else r.source,
+                   n_accept=r.n_acc, source=r.source,
                    timings=r.timings())
         token = r.nxt

@@ -19,7 +19,6 @@ from ..config import HISTORY_MAX_TOKENS, TRIE_DEPTH
 from ..paths import home
 from .context_drafter import SuffixTrie
 
-MAX_TOKENS = HISTORY_MAX_TOKENS   # config
 SEP = -1
 
 
@@ -28,7 +27,7 @@ def history_dir() -> Path:
 
 
 class History:
-    def __init__(self, fingerprint: str, max_tokens: int = MAX_TOKENS,
+    def __init__(self, fingerprint: str, max_tokens: int = HISTORY_MAX_TOKENS,
                  directory: Path | None = None):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")

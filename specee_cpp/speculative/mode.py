@@ -62,7 +62,7 @@ class PairState:
     correction is about those rounds, and the verification scale per cost table, since it
     is about the machine."""
 
-    costs: Any = None                  # spec.cost.CostModel: this machine's, or one given
+    costs: Any = None                  # cost.CostModel: this machine's, or one given
     costs_given: Any = None            # the costs given (use_cost_model): taken as they are
     base_sha256: dict[Path, str] = field(default_factory=dict)   # the draft's base file
     controllers: dict[Path, Any] = field(default_factory=dict)   # AcceptanceModel per path
