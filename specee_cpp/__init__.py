@@ -18,7 +18,7 @@ from __future__ import annotations
 from .engine import plain as _plain  # noqa: F401, I001  (registers mode plain, first)
 from .speculative import mode as _spec_mode  # noqa: F401  (registers mode spec)
 from .early_exit import mode as _ee_mode  # noqa: F401  (registers mode ee)
-from .spec_ee import mode as _hyper_mode  # noqa: F401  (registers mode spec-ee)
+from .spec_ee import mode as _spec_ee_mode  # noqa: F401  (registers mode spec-ee)
 
 __version__ = "0.1.0"
 

@@ -8,6 +8,7 @@ import pytest
 from specee_cpp.config import LoadConfig
 from specee_cpp.speculative import acceptance, policies, simulate
 from specee_cpp.speculative.cost import CostModel
+from specee_cpp.speculative.policies import Outcome, RoundAt
 from specee_cpp.errors import SpeceeError
 
 # the shape measured on this CPU (specee-cpp costs): draft 0.59 of a target token, verify
@@ -55,12 +56,12 @@ def test_baseline_rules():
     pm = policies.PMinRule()
     assert pm.plan() == 8 and pm.keep(0, 0.8, 0.5) and not pm.keep(0, 0.7, 0.5)
     hf = policies.HFHeuristic(start=4)
-    hf.update(4, 4, [], [])
+    hf.update(Outcome(4, 4, [], []))
     assert hf.plan() == 6
-    hf.update(6, 2, [], [])
+    hf.update(Outcome(6, 2, [], []))
     assert hf.plan() == 5
     for _ in range(10):
-        hf.update(1, 0, [], [])
+        hf.update(Outcome(1, 0, [], []))
     assert hf.plan() == 1
 
 
@@ -175,11 +176,11 @@ def test_a_round_whose_drafts_were_all_dropped_counts_as_drafted():
     stop = policies.CostAwareStop(LastRate(), XEON, 4.85)
     plain_s = XEON.plain
     for _ in range(8):
-        stop.update(0, 0, [], [], plain_s)              # real plain steps
+        stop.update(Outcome(0, 0, [], [], plain_s))     # real plain steps
     for _ in range(stop.guard.window):
         assert stop.plan() > 0
         assert not stop.keep(0, 0.02, 6.0)
-        stop.update(0, 0, [], [], plain_s + XEON.draft(1), tried=True)
+        stop.update(Outcome(0, 0, [], [], plain_s + XEON.draft(1), tried=True))
     assert stop.plan() == 0                             # backed off: the tries lost
     assert stop.guard.plain_tps() == pytest.approx(1 / plain_s)
 
@@ -311,25 +312,26 @@ def test_a_long_prompt_under_a_short_limit_is_not_read_up_front():
     Xeon). The first read goes ahead whatever it costs and teaches the guard its price,
     where some round is predicted to beat plain at all."""
     pol = policies.CostAwareGamma(LastRate(), XEON, 4.85)   # prior: 80% accepted
-    assert pol.reads_prompt(289, 62)                       # no price seen yet
+    assert pol.reads_prompt(RoundAt(288, 289, 62))          # no price seen yet
     pol.prompt_read(XEON.draft_token_s * (1 + 0.2 * 288), 288)
     assert pol.guard.catch_up_rel * XEON.plain == pytest.approx(0.2 * XEON.draft_token_s)
-    assert not pol.reads_prompt(289, 62)    # ~2.1 s of read against ~1.5 s of saving
-    assert pol.reads_prompt(101, 62)
-    assert pol.reads_prompt(289, 1022)      # a chat's limit: read, as before
-    assert pol.reads_prompt(289, None)
+    assert not pol.reads_prompt(RoundAt(288, 289, 62))  # ~2.1 s of read, ~1.5 s saved
+    assert pol.reads_prompt(RoundAt(100, 101, 62))
+    assert pol.reads_prompt(RoundAt(288, 289, 1022))      # a chat's limit: read, as before
+    assert pol.reads_prompt(RoundAt(288, 289, None))
     pol.guard.wait = 16                     # held at plain decoding: nothing to read for
-    assert not pol.reads_prompt(101, 62)
+    assert not pol.reads_prompt(RoundAt(100, 101, 62))
     # a table where no round the prior predicts beats plain: no first read to learn from
     # (the 2-core EPYC with AVX2 only: draft 0.52, verify 2/4/8 = 1.67/2.13/3.51)
     epyc = CostModel([0.057 * x for x in (1.0, 1.67, 1.9, 2.13, 2.48, 2.82, 3.17, 3.51)],
                      0.52 * 0.057)
     assert epyc.drafting_can_pay(7)                # with every token accepted it would
     steep = policies.CostAwareGamma(LastRate(), epyc, 4.85)
-    assert not steep.reads_prompt(289, 1022) and steep.reads_prompt(289, None)
+    assert not steep.reads_prompt(RoundAt(288, 289, 1022))
+    assert steep.reads_prompt(RoundAt(288, 289, None))
     # the rules that ignore costs read every prompt
-    assert policies.FixedGamma(4).reads_prompt(289, 62)
-    assert not policies.FixedGamma(0).reads_prompt(289, 62)
+    assert policies.FixedGamma(4).reads_prompt(RoundAt(288, 289, 62))
+    assert not policies.FixedGamma(0).reads_prompt(RoundAt(288, 289, 62))
 
 
 @pytest.mark.model
@@ -348,7 +350,7 @@ def test_a_prompt_not_read_up_front_is_not_read_at_all(pair, model):
         if price_in_tokens is not None:
             # a catch-up per-token price making the read cost what `price_in_tokens`
             # tokens of the prior's best round save
-            pol.at_context(len(toks), len(toks) + 1, max_new)
+            pol.reads_prompt(RoundAt(len(toks), len(toks) + 1, max_new))
             saving = GPU.plain - 1.0 / float(pol._tps().max())
             extra = price_in_tokens * saving - GPU.draft_token_s + GPU.draft(1)
             pol.guard.catch_up_rel = extra / (GPU.plain * (len(toks) + 1))
@@ -382,14 +384,13 @@ def test_a_round_is_told_the_drafts_catch_up(pair):
         def __init__(self):
             self.n, self.seen, self.behinds = 0, [], []
 
-        def plan(self):
+        def choose(self):
             self.n += 1
             self.behinds.append(self.behind)
             return 2 if self.n > 12 else 0
 
-        def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
-                   catch_up=0.0):
-            self.seen.append((tried, seconds, catch_up))
+        def update(self, o):
+            self.seen.append((o.tried, o.seconds, o.catch_up))
 
     pair.reset()
     pol = Late()
@@ -471,7 +472,7 @@ def test_exploration_refreshes_a_plain_policy(model):
     mid = CostModel([1.0 + 0.3 * i for i in range(16)], 0.3)
     pol = policies.CostAwareGamma(model, mid, 4.85, explore_every=16)
     assert not pol.plan_is_plain
-    pol.update(8, 0, [0.05] * 8, [7.0] * 8)      # a hopeless round: predicted rates ~ 0
+    pol.update(Outcome(8, 0, [0.05] * 8, [7.0] * 8))   # a hopeless round: predicted rates ~ 0
     plans = [pol.plan() for _ in range(40)]
     assert plans[:15] == [0] * 15 and plans[15] == 8
     assert plans.count(8) == 2 and set(plans) == {0, 8}
@@ -549,8 +550,7 @@ def test_exploring_prices_the_drafts_catch_up():
         pol.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]   # the last round hopeless
         plans = []
         for _ in range(pol.explore_every):
-            pol.at_context(100, behind, room)
-            plans.append(pol.plan())
+            plans.append(pol.plan(RoundAt(100, behind, room)))
         assert plans[:-1] == [0] * (pol.explore_every - 1)
         return plans[-1] > 0
 
@@ -562,8 +562,7 @@ def test_exploring_prices_the_drafts_catch_up():
     # the guard learns what catching up really costs per token beyond one draft decode (in
     # plain steps as seen) and the policy prices it so: a cheap batch makes the same
     # exploration worth it
-    pol.at_context(100, 16, 48)
-    pol.update(1, 0, [0.1], [5.0], seconds=2.0, tried=True, catch_up=0.8)
+    pol.update(Outcome(1, 0, [0.1], [5.0], seconds=2.0, tried=True, catch_up=0.8, behind=16))
     assert pol.guard.catch_up_rel == pytest.approx((0.8 - 0.45) / 16)
     assert explores(pol, 16, 48)
     # where drafting pays broadly (the AMX Xeon: verify nearly flat), it explores as before
@@ -582,21 +581,20 @@ def test_a_losing_guard_probes_where_a_generation_starts_not_after_a_long_catch_
 
     def plan(behind, room=60):
         pol.feats = list(sure)
-        pol.at_context(300, behind, room)
-        return pol.plan()
+        return pol.plan(RoundAt(300, behind, room))
 
     assert plan(40) == 8                            # not losing: a catch-up of 40 pays here
     pol.guard.wait, pol.guard.losing = 3, True      # as after a verdict against drafting
     pol.feats = [5.0, 6.0, 0.05, 0.01, 0.0, 4.85]   # the round model would not draft...
-    pol.at_context(300, 1, 60)
-    assert pol.plan() == 0 and pol.guard.wait == 2  # ...and the wait still counts the step
+    # ...and the wait still counts the step
+    assert pol.plan(RoundAt(300, 1, 60)) == 0 and pol.guard.wait == 2
     assert [plan(1), plan(1)] == [0, 0] and pol.guard.wait == 0
     assert plan(40) == 0 and pol.predicted_tps() == 0.0   # wait over, losing, far behind
     for _ in range(2 * pol.explore_every):
         assert plan(40) == 0                        # no exploring round pays it either
-    assert pol.reads_prompt(40, 60)                 # a generation's start: read, probe
+    assert pol.reads_prompt(RoundAt(39, 40, 60))    # a generation's start: read, probe
     assert plan(2) == 8                             # in step after the read: a probe
-    pol.update(8, 8, [0.99] * 8, [0.05] * 8, seconds=0.2, tried=True)
+    pol.update(Outcome(8, 8, [0.99] * 8, [0.05] * 8, seconds=0.2, tried=True))
     assert not pol.guard.losing and plan(40) == 8   # probed: catch-ups priced as before
 
 
@@ -616,10 +614,9 @@ def test_a_round_model_that_overpromises_is_corrected_by_the_rounds_it_planned()
     pol = policies.CostAwareGamma(Constant(), XEON, 4.85)
 
     def round_(accepted):
-        pol.at_context(100, 1, None)
-        g = pol.plan()
+        g = pol.plan(RoundAt(100, 1, None))
         if g:   # no guard verdict here: seconds 0, so only the correction can stop it
-            pol.update(g, accepted, [0.5] * g, [1.0] * g, tried=True)
+            pol.update(Outcome(g, accepted, [0.5] * g, [1.0] * g, tried=True))
         return g
 
     assert round_(2) == 8                       # 0.8 predicted: 8 tokens pay on the Xeon
@@ -629,7 +626,7 @@ def test_a_round_model_that_overpromises_is_corrected_by_the_rounds_it_planned()
     assert pol.correction.factor < 0.7 and pol.predicted_tps() < 1.0 / XEON.plain
     low = pol.correction.factor
     for _ in range(2 * 128):   # plain steps: the evidence fades
-        pol.update(0, 0, [], [])
+        pol.update(Outcome(0, 0, [], []))
     assert low < pol.correction.factor < 1.0 and round_(2) == 8   # and drafting probes
     good = policies.CostAwareGamma(Constant(), XEON, 4.85)
     good.correction = pol.correction            # a pair's correction serves its next answers
@@ -650,8 +647,8 @@ def test_a_predicted_round_prices_a_long_catch_up():
 
     def drafts(behind, room):
         pol.feats = list(sure)
-        pol.at_context(300, behind, room)
-        return pol.predicted_tps(), pol.plan()
+        g = pol.plan(RoundAt(300, behind, room))
+        return pol.predicted_tps(), g
 
     tps, g = drafts(2, 60)
     assert tps > 1.0 / XEON.plain and g == 8        # in step: drafting pays, as before
@@ -659,9 +656,8 @@ def test_a_predicted_round_prices_a_long_catch_up():
     assert drafts(100, None) == (0.0, 0)
     # the guard learns that a token of catch-up costs a fifth of a draft decode (as measured
     # on the Ice Lake Xeon); then 100 behind is worth catching up over 60 tokens, 250 not
-    pol.at_context(300, 50, 60)
-    pol.update(2, 2, [0.9, 0.9], [0.3, 0.3], seconds=1.0, tried=True,
-               catch_up=XEON.draft_token_s * (1 + 0.2 * 50))
+    pol.update(Outcome(2, 2, [0.9, 0.9], [0.3, 0.3], seconds=1.0, tried=True,
+                       catch_up=XEON.draft_token_s * (1 + 0.2 * 50), behind=50))
     assert pol.guard.catch_up_rel * XEON.plain == pytest.approx(0.2 * XEON.draft_token_s)
     assert drafts(100, 60)[1] == 8
     assert drafts(250, 60) == (0.0, 0)
@@ -687,7 +683,7 @@ def test_the_model_drafts_at_what_verification_is_seen_to_cost(model):
         if scale is not None:
             p.use_scale(scale)
         p.feats = [0.05, 0.1, 0.99, 0.60, 0.60, 4.85]   # 60% of the last round accepted
-        p.at_context(100)
+        p.plan(RoundAt(100))
         return p
 
     assert xeon().plan() >= 4
@@ -704,18 +700,20 @@ def test_the_model_drafts_at_what_verification_is_seen_to_cost(model):
     scale = p.verify_scale
     before = p.costs.verify(4)
     for _ in range(60):
-        p.verified(1, XEON.plain)
-        p.verified(4, 1.8 * XEON.verify(4))
+        # the batches' rows and seconds alone (no round to judge: n_drafted 0)
+        p.update(Outcome(0, 0, verify_rows=1, verify_s=XEON.plain))
+        p.update(Outcome(0, 0, verify_rows=4, verify_s=1.8 * XEON.verify(4)))
     assert p.costs.verify(4) == before            # read again before the next round
-    p.at_context(101)
-    assert p.costs.verify(4) > 1.5 * before and scale.factor(4) > 1.5 and p.plan() == 0
+    p.feats = [0.05, 0.1, 0.99, 0.60, 0.60, 4.85]
+    assert p.plan(RoundAt(101)) == 0
+    assert p.costs.verify(4) > 1.5 * before and scale.factor(4) > 1.5
 
 
 @pytest.mark.model
 def test_the_loop_tells_the_policy_what_its_batches_cost(pair):
     """generate_spec reports every full-depth batch of the draft model's rounds to the
-    policy (``verified``: rows, the verify phase's seconds) and, where no context drafter
-    times them, its plain steps; a context drafter's rounds are its own."""
+    policy (``Outcome.verify_rows`` and ``verify_s``, the verify phase's seconds) and,
+    where no context drafter times them, its plain steps; a context drafter's rounds are its own."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.speculative.decode import generate_spec
 
@@ -724,12 +722,13 @@ def test_the_loop_tells_the_policy_what_its_batches_cost(pair):
             super().__init__(2)
             self.n, self.told = 0, []
 
-        def plan(self):
+        def choose(self):
             self.n += 1
             return 2 if self.n % 3 == 0 else 0
 
-        def verified(self, n_rows, seconds):
-            self.told.append((n_rows, seconds))
+        def update(self, o):
+            if o.verify_rows:
+                self.told.append((o.verify_rows, o.verify_s))
 
     pair.reset()
     pol = Every3rd()

@@ -112,7 +112,7 @@ def test_measure_and_cache(tmp_path, monkeypatch):
 def test_costs_are_read_at_the_context_length():
     """Between measured contexts the costs are interpolated, outside them the nearest is
     used, and a cost-aware policy re-reads them as the cache grows (seen failing with
-    at_context a no-op: the policy kept drafting where a long context made it a loss)."""
+    the context length ignored: the policy kept drafting where a long context made it a loss)."""
     from specee_cpp.speculative import policies
     from specee_cpp.speculative.acceptance import AcceptanceModel  # noqa: F401
 
@@ -125,8 +125,7 @@ def test_costs_are_read_at_the_context_length():
     assert mid.verify(2) == pytest.approx((1.02 + 6.0) / 2)
     stop = policies.CostAwareStop(model=None, costs=table, bpw=4.85)
     assert not stop.plan_is_plain and stop.can_pay            # cheap drafting at 128 tokens
-    stop.at_context(1000)
-    assert not stop.can_pay and stop.plan() == 0              # nothing pays near 1024
+    assert stop.plan(policies.RoundAt(1000)) == 0 and not stop.can_pay   # none near 1024
 
 
 def test_cost_model_records_its_machine(tmp_path, monkeypatch):

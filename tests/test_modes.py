@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 
 import specee_cpp
-from specee_cpp.config import LoadConfig
 from specee_cpp.early_exit.mode import EEOptions
 from specee_cpp.engine import modes
 from specee_cpp.engine.plain import generate_plain

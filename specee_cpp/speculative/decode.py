@@ -22,7 +22,7 @@ from ..engine.sampling import probs
 from ..engine.sequence import Sequence, common_prefix
 from ..engine.steps import Step
 from ..errors import SpeceeError
-from .policies import ROUND_CATCH_UP, DraftPolicy, FixedGamma
+from .policies import ROUND_CATCH_UP, DraftPolicy, FixedGamma, Outcome, RoundAt
 from .context_drafter import ContextSource
 
 
@@ -201,8 +201,7 @@ class SpecLoop:
         if self.dft is not None:
             n_read = len(prompt) - min(common_prefix(self.dft.tokens, prompt), len(prompt) - 1)
             room = draft_room(self.max_new, 1)
-            self.policy.at_context(len(prompt), n_read + 1, room)
-            if self.policy.reads_prompt(n_read + 1, room):
+            if self.policy.reads_prompt(RoundAt(len(prompt), n_read + 1, room)):
                 t = time.perf_counter()
                 self.dft.prefill(prompt)
                 self.policy.prompt_read(time.perf_counter() - t, n_read)
@@ -217,11 +216,11 @@ class SpecLoop:
         with ph("control"):
             # the draft is behind by what plain steps and free drafts emitted since it ran
             behind = base + 1 - len(self.dft.tokens) if self.dft is not None else 0
-            self.policy.at_context(base, behind, room)
             free = self.context.plan(base + 1, room) if self.context is not None else []
-            if free and self.policy.predicted_tps() > self.context.expected_tps:
+            g_max = self.policy.plan(RoundAt(base, behind, room),
+                                     rival_tps=self.context.expected_tps if free else None)
+            if g_max:
                 free = []
-            g_max = 0 if free else self.policy.plan()
             if room is not None:
                 g_max = min(g_max, room)
         return Round(base, behind, free, self.context.source if free else "", g_max, ph)
@@ -304,16 +303,19 @@ class SpecLoop:
             else:
                 if ctx is not None and r.g_max == 0:   # neither source drafted
                     ctx.plain_step(round_s)
-                policy.update(len(r.draft), r.n_acc, [c[0] for c in r.conf],
-                              [c[1] for c in r.conf], round_s, tried=r.g_max > 0,
-                              catch_up=r.ph.seconds.get("catch_up", 0.0))
-                # what a full-depth batch cost (the context drafter times its own rounds and
-                # the plain steps where it runs; an early-exit verifier's batches are not
-                # the table's)
+                # a full-depth batch's cost teaches the prices (the context drafter times
+                # its own rounds and the plain steps where it runs; an early-exit
+                # verifier's batches are not the table's)
+                rows, verify_s = 0, 0.0
                 if r.draft and self.verifier is None:
-                    policy.verified(len(r.draft) + 1, r.ph.seconds["verify"])
+                    rows, verify_s = len(r.draft) + 1, r.ph.seconds["verify"]
                 elif not r.draft and ctx is None:
-                    policy.verified(1, r.ph.seconds["decode"])
+                    rows, verify_s = 1, r.ph.seconds["decode"]
+                policy.update(Outcome(len(r.draft), r.n_acc, [c[0] for c in r.conf],
+                                      [c[1] for c in r.conf], round_s, tried=r.g_max > 0,
+                                      catch_up=r.ph.seconds.get("catch_up", 0.0),
+                                      behind=r.behind,
+                                      verify_rows=rows, verify_s=verify_s))
             if ctx is not None:
                 ctx.extend(r.draft[:r.n_acc] + [r.nxt], emitted=True)
 

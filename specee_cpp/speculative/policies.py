@@ -1,10 +1,15 @@
 """Draft-length policies: one interface, consulted by ``generate_spec`` every round.
 
-    plan()                 -> most tokens to draft this round (0: a plain decoding step)
+    plan(at, rival_tps)    -> most tokens to draft this round (0: a plain step); ``at``
+                              says where the round starts (`RoundAt`), ``rival_tps`` what a
+                              free draft from the context is expected to reach instead
     keep(i, top1, entropy) -> after drafting token i: keep it, or drop it and stop
     more(i)                -> after keeping token i: draft token i + 1?
-    update(drafted, accepted, top1s, entropies, seconds) after the target's verdict
+    update(outcome)        after the target's verdict (`Outcome`)
+    reads_prompt(at)       whether the draft reads the prompt up front, and
+    prompt_read(seconds, n_tokens) what that read cost
 
+A policy's own rule is ``choose()`` (what ``plan`` returns when no rival wins).
 ``needs_confidence`` says whether keep/update read the draft's top-1 probability and
 entropy (a softmax over the vocabulary per drafted token, skipped when no policy reads it).
 
@@ -15,7 +20,8 @@ fixed/heuristic rules ignore cost; they are here as baselines.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -26,15 +32,58 @@ from ..errors import SpeceeError
 from .acceptance import AcceptanceModel, Correction, round_stats
 from .cost import CostModel, CostTable, as_table
 
+
+@dataclass(frozen=True)
+class RoundAt:
+    """Where a round starts: the cache holds ``n_tokens`` (cost-aware policies read their
+    costs at this length), the draft model is ``behind`` tokens behind the target (what a
+    drafted round would first catch it up on) and the caller takes at most ``room`` more
+    tokens (None: no limit)."""
+    n_tokens: int
+    behind: int = 0
+    room: int | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A round's outcome: ``n_drafted`` tokens drafted (0: a plain step), ``n_accept`` of
+    them accepted, the draft's confidence per drafted token, the round's ``seconds`` of
+    which ``catch_up`` went to bringing the draft up to date on the ``behind`` tokens it
+    had missed; ``tried``: the draft model ran
+    (a round whose drafts were all dropped by keep() is a plain step that paid for a draft
+    token). ``verify_rows``: a full-depth target batch of that many rows (1: a plain step)
+    was timed at ``verify_s`` (0: none to learn from)."""
+    n_drafted: int
+    n_accept: int
+    top1: Sequence[float] = ()
+    entropy: Sequence[float] = ()
+    seconds: float = 0.0
+    tried: bool = False
+    catch_up: float = 0.0
+    behind: int = 0
+    verify_rows: int = 0
+    verify_s: float = 0.0
+
+
 class DraftPolicy:
     name = "policy"
     needs_confidence = False
     plan_is_plain = False   # True: plan() is always 0, so plain decoding can run instead
     guard: Guard | None = None   # the cost-aware policies': what drafting really reached
     correction: Correction | None = None   # ours: the round model against real rounds
-    behind, room = 0, None       # at_context's, for the round being planned
+    behind, room = 0, None       # the round being planned's (`RoundAt`)
 
-    def plan(self) -> int:
+    def plan(self, at: RoundAt | None = None, rival_tps: float | None = None) -> int:
+        """Most tokens to draft in the round starting ``at`` (None: where the last one did);
+        0 where a free draft expected at ``rival_tps`` beats this policy's best round."""
+        if at is not None:
+            self._at(at)
+        if rival_tps is not None and self.predicted_tps() <= rival_tps:
+            return 0
+        return self.choose()
+
+    def choose(self) -> int:
+        """The policy's own rule: most tokens to draft this round."""
         raise NotImplementedError
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
@@ -44,57 +93,44 @@ class DraftPolicy:
         """After keeping token i: draft token i + 1 (within plan()'s budget)?"""
         return True
 
-    def update(self, n_drafted: int, n_accept: int, top1: list[float],
-               entropy: list[float], seconds: float = 0.0, tried: bool = False,
-               catch_up: float = 0.0) -> None:
-        """After a round (``n_drafted`` 0: a plain step) that took ``seconds``, of which
-        ``catch_up`` went to bringing the draft up to date; ``tried``: the draft model ran
-        this round (a round whose drafts were all dropped by keep() is a plain step that
-        paid for a draft token). A policy with a guard has it judge the round."""
-        if self.guard is not None and seconds > 0:
-            self.guard.observe(n_drafted or tried, n_accept + 1, seconds, catch_up,
-                               self.behind, self.one_draft_decode_s)
+    def update(self, o: Outcome) -> None:
+        """After a round. A policy with a guard has it judge the round."""
+        if self.guard is not None and o.seconds > 0:
+            self.guard.observe(o.n_drafted or o.tried, o.n_accept + 1, o.seconds, o.catch_up,
+                               o.behind, self._one_draft_decode_s)
 
-    @property
-    def one_draft_decode_s(self) -> float:
-        """Seconds of one draft decode at the current costs (0: no cost model): the fixed
-        part of any catch-up batch, which the guard's per-token catch-up cost leaves out."""
-        return 0.0
-
-    def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
-        """Before a round: the cache holds ``n_tokens`` (cost-aware policies read their
-        costs at this length), the draft model is ``behind`` tokens behind the target (what
-        a drafted round would first catch it up on) and the caller takes at most ``room``
-        more tokens (None: no limit)."""
-        self.behind, self.room = behind, room
-
-    def waiting(self) -> bool:
-        """Whether the policy holds at plain decoding for now (its guard backed off): the
-        draft need not read the prompt up front."""
-        return self.guard is not None and self.guard.wait > 0
-
-    def reads_prompt(self, behind: int, room: int | None) -> bool:
-        """Whether the draft reads the prompt up front, in prefill: ``behind`` tokens it has
-        not seen (the prompt, less what its cache already holds), ``room`` the most tokens
-        the caller takes after the first. Yes unless the policy never drafts or its guard
-        holds it at plain decoding for now; a prompt not read is the first drafted round's
-        catch-up."""
-        return not self.plan_is_plain and not self.waiting()
-
-    def verified(self, n_rows: int, seconds: float) -> None:
-        """A full-depth target batch of ``n_rows`` rows (1: a plain step) took ``seconds``;
-        a cost-aware policy learns from it what verification really costs here."""
+    def reads_prompt(self, at: RoundAt) -> bool:
+        """Whether the draft reads the prompt up front, in prefill: ``at.behind`` tokens it
+        has not seen (the prompt, less what its cache already holds), ``at.room`` the most
+        tokens the caller takes after the first. Yes unless the policy never drafts or its
+        guard holds it at plain decoding for now; a prompt not read is the first drafted
+        round's catch-up."""
+        self._at(at)
+        return not self.plan_is_plain and not self._waiting()
 
     def prompt_read(self, seconds: float, n_tokens: int) -> None:
         """The draft read ``n_tokens`` of prompt up front in ``seconds``: a batch like any
         catch-up, whose price per token a guard learns from."""
         if self.guard is not None and n_tokens > ROUND_CATCH_UP:
-            self.guard.learn_catch_up(seconds, n_tokens, self.one_draft_decode_s)
+            self.guard.learn_catch_up(seconds, n_tokens, self._one_draft_decode_s)
 
     def predicted_tps(self) -> float:
         """The tokens per second this policy expects of its next drafted round on this
         machine (0: it has no prediction), so that a free draft from the context can be
         weighed against the draft model."""
+        return 0.0
+
+    def _at(self, at: RoundAt) -> None:
+        self.behind, self.room = at.behind, at.room
+
+    def _waiting(self) -> bool:
+        """Whether the policy holds at plain decoding for now (its guard backed off)."""
+        return self.guard is not None and self.guard.wait > 0
+
+    @property
+    def _one_draft_decode_s(self) -> float:
+        """Seconds of one draft decode at the current costs (0: no cost model): the fixed
+        part of any catch-up batch, which the guard's per-token catch-up cost leaves out."""
         return 0.0
 
 
@@ -103,7 +139,7 @@ class FixedGamma(DraftPolicy):
         self.gamma, self.name = gamma, f"fixed-{gamma}"
         self.plan_is_plain = gamma == 0
 
-    def plan(self) -> int:
+    def choose(self) -> int:
         return self.gamma
 
 
@@ -116,7 +152,7 @@ class PMinRule(DraftPolicy):
     def __init__(self, n_max: int = MAX_GAMMA, p_min: float = PMIN_P):
         self.n_max, self.p_min, self.name = n_max, p_min, f"pmin-{p_min:g}-max{n_max}"
 
-    def plan(self) -> int:
+    def choose(self) -> int:
         return self.n_max
 
     def keep(self, i: int, top1: float, entropy: float) -> bool:
@@ -132,13 +168,13 @@ class HFHeuristic(DraftPolicy):
     def __init__(self, start: int = HF_START, n_max: int = HF_MAX):
         self.n, self.n_max = start, n_max
 
-    def plan(self) -> int:
+    def choose(self) -> int:
         return self.n
 
-    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
-               catch_up=0.0) -> None:
-        if n_drafted:
-            self.n = min(self.n + 2, self.n_max) if n_accept == n_drafted else max(1, self.n - 1)
+    def update(self, o: Outcome) -> None:
+        if o.n_drafted:
+            self.n = min(self.n + 2, self.n_max) if o.n_accept == o.n_drafted \
+                else max(1, self.n - 1)
 
 
 class Guard:
@@ -278,18 +314,19 @@ class _RoundModelPolicy(DraftPolicy):
             self._rates_of = self.feats
         return self._rates_cached
 
-    def update(self, n_drafted, n_accept, top1, entropy, seconds=0.0, tried=False,
-               catch_up=0.0) -> None:
+    def update(self, o: Outcome) -> None:
+        n_drafted, n_accept = o.n_drafted, o.n_accept
         if n_drafted:
             if self.correction is not None:
                 # what the model said of this round's length, from the features it was
                 # planned on (the token rule may have cut it short of the planned gamma)
                 rate = float(self.model.rates(self.feats, np.array([n_drafted]))[0])
                 self.correction.observe(rate * n_drafted, n_accept)
-            self.feats = round_stats(top1[:n_drafted], entropy[:n_drafted], n_accept) + [self.bpw]
+            self.feats = round_stats(list(o.top1[:n_drafted]), list(o.entropy[:n_drafted]),
+                                     n_accept) + [self.bpw]
         elif self.correction is not None:
             self.correction.plain_step()
-        super().update(n_drafted, n_accept, top1, entropy, seconds, tried, catch_up)
+        super().update(o)
 
 
 class SpecKVObjective(_RoundModelPolicy):
@@ -297,7 +334,7 @@ class SpecKVObjective(_RoundModelPolicy):
 
     name = "speckv"
 
-    def plan(self) -> int:
+    def choose(self) -> int:
         rates = self._rates()
         return int(self.gammas[np.argmax(rates * self.gammas + 1)])
 
@@ -439,16 +476,18 @@ class CostAware:
         self.prices.use_scale(scale)
 
     @property
-    def one_draft_decode_s(self) -> float:
+    def _one_draft_decode_s(self) -> float:
         return self.costs.draft_token_s
 
-    def at_context(self, n_tokens: int, behind: int = 0, room: int | None = None) -> None:
-        DraftPolicy.at_context(self, n_tokens, behind, room)
-        if self.prices.at_context(n_tokens):
+    def _at(self, at: RoundAt) -> None:
+        DraftPolicy._at(self, at)
+        if self.prices.at_context(at.n_tokens):
             self.guard.plain_prior = 1.0 / self.prices.base.plain
 
-    def verified(self, n_rows: int, seconds: float) -> None:
-        self.prices.verified(n_rows, seconds)
+    def update(self, o: Outcome) -> None:
+        super().update(o)
+        if o.verify_rows:
+            self.prices.verified(o.verify_rows, o.verify_s)
 
     def more(self, i: int) -> bool:
         return self.rule.more(self.costs, i)
@@ -501,7 +540,7 @@ class CostAwareGamma(CostAware, _RoundModelPolicy):
         # a round the catch-up forbids is no rival for a free draft
         return best if self._catch_up_pays(best) else 0.0
 
-    def plan(self) -> int:
+    def choose(self) -> int:
         self._exploring = False
         # the guard's wait counts every step, not only those the round model would draft:
         # counted the other way, a wait outlived the rounds that a losing guard declines
@@ -561,28 +600,24 @@ class CostAwareGamma(CostAware, _RoundModelPolicy):
         """The tokens left to win back a price over: ``room``, at most EXPLORE_HORIZON."""
         return EXPLORE_HORIZON if self.room is None else min(self.room, EXPLORE_HORIZON)
 
-    def reads_prompt(self, behind: int, room: int | None) -> bool:
+    def reads_prompt(self, at: RoundAt) -> bool:
         """The prompt is read up front only where the caller's limit leaves room to win it
         back: the rounds the round model predicts from its prior must save, over ``room``
         tokens, more than the read costs beyond a round's own first draft decode (priced as
         a catch-up). Before anything was drafted the answer's length is unknown and its
         limit is the only bound, so the check takes the whole limit (not EXPLORE_HORIZON):
-        with a chat's 1024 it reads every prompt as before; what it declines is a long
-        prompt under a short limit (RAG and summarization prompts of ~290 tokens for 64-token
-        answers on the Ice Lake Xeon, where the draft read ~1 s of prompt for a handful of
-        model rounds: spec-auto at 0.97x plain end to end in RAG). The first read (no
+        with a chat's long limit it reads every prompt; what it declines is a long prompt
+        under a short limit (RAG and summarization answers of a few dozen tokens, where the
+        read costs more than the handful of model rounds after it save). The first read (no
         catch-up seen yet) goes ahead where some drafted round is predicted to beat plain: it
-        teaches the guard the price. Where none is (the 2-core EPYC with AVX2 only, whose
-        table pays a model draft from acceptance 0.98), there is nothing to learn it for:
-        there each process's first read cost ~2-3 s of a 287-token prompt's 5-7 s prefill."""
-        if not super().reads_prompt(behind, room):
+        teaches the guard the price; where none is, there is nothing to learn it for."""
+        if not super().reads_prompt(at):
             return False
         if self.guard.catch_up_rel is None:
-            return room is None or float(self._tps().max()) > self.plain_tps
-        if room is None:
+            return at.room is None or float(self._tps().max()) > self.plain_tps
+        if at.room is None:
             return True
-        self.behind, self.room = behind, room
-        return self._catch_up_pays(float(self._tps().max()), horizon=room, start=True)
+        return self._catch_up_pays(float(self._tps().max()), horizon=at.room, start=True)
 
     def _losing_far_behind(self) -> bool:
         """Whether the guard's last verdict went against drafting (no drafted round since)
@@ -634,7 +669,7 @@ class CostAwareStop(CostAware, DraftPolicy):
         self.model, self.bpw, self.n_max = model, bpw, n_max
         self._price(costs, n_max, model, bpw)
 
-    def plan(self) -> int:
+    def choose(self) -> int:
         if not self.can_pay:
             return 0
         self.rule.start(self.costs)

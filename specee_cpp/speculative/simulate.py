@@ -16,7 +16,7 @@ from typing import Callable
 
 from .cost import CostModel
 from .acceptance import rounds_by_run
-from .policies import DraftPolicy
+from .policies import DraftPolicy, Outcome
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ def replay(records: list[dict], make: Callable[[], DraftPolicy], costs: CostMode
             n_rounds += 1
             drafted += d
             accepted += a
-            policy.update(d, a, r["draft_top1"][:d], r["draft_entropy"][:d], t, tried=g > 0)
+            policy.update(Outcome(d, a, r["draft_top1"][:d], r["draft_entropy"][:d], t,
+                                   tried=g > 0))
     return Replay(tokens, seconds, n_rounds, drafted, accepted, 1.0 / costs.plain)
 
 
