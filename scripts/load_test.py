@@ -7,6 +7,12 @@ server's own counters, as JSON and, with ``--markdown``, as a table with the com
 made it.
 
     python scripts/load_test.py --clients 4 --seconds 60 [--markdown]
+    python scripts/load_test.py --clients 8 --seconds 60 --hostile   # second half under attack
+
+``--hostile``: for the second half of the run, another process opens 1,000 connections that
+send half a request and wait, and sends a 10 MB body once a second; the report gives the others' time to
+first token and the server's /health latency in the calm half and in the hostile half
+(1,000 connections need an open-file limit above that on both sides: ``ulimit -n``).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -49,6 +56,46 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return p, line.split()[-1]
 
 
+# The hostile client: 1,000 connections that send half a request and wait, and a 10 MB body
+# once a second; prints what it saw as JSON.
+HOSTILE = r"""
+import json, socket, sys, time, urllib.error, urllib.request
+url, seconds = sys.argv[1], float(sys.argv[2])
+end = time.monotonic() + seconds
+host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+held = []
+for _ in range(1000):
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    held.append(s)
+body = b'{"messages": [{"role": "user", "content": "' + b"x" * (10 << 20) + b'"}]}'
+answers = {}
+while time.monotonic() < end:
+    t = time.monotonic()
+    req = urllib.request.Request(url + "/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            code = str(r.status)
+    except urllib.error.HTTPError as e:
+        code = str(e.code)
+    except OSError as e:   # an early 413 may reset the upload
+        code = type(e).__name__
+    answers[code] = answers.get(code, 0) + 1
+    time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
+def still_open(s):
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+print(json.dumps({"big_bodies": answers, "partial_connections": len(held),
+                  "partial_still_open_at_end": sum(map(still_open, held))}))
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="default: the registry's default pair")
@@ -58,6 +105,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    ap.add_argument("--hostile", action="store_true",
+                    help="second half: a 10 MB body again and again, 1,000 partial requests")
     args = ap.parse_args()
     if not 1 <= args.clients <= 32 or not 1 <= args.seconds <= 600:
         sys.exit("error: --clients must be 1..32 and --seconds 1..600 (a local, bounded test)")
@@ -78,10 +127,15 @@ def main() -> None:
 
         def client_loop(i: int) -> None:
             c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-            k = i
+            k, seq, half = i, 0, False
             while time.monotonic() < deadline:
+                if hostile_on.is_set() and not half:
+                    # the hostile half replays the calm half's prompts in the same order, so
+                    # that each request can be set against its twin
+                    k, seq, half = i, 0, True
                 prompt = prompts[k % len(prompts)][:1500]   # keep prompts short: a chat turn
                 k += args.clients
+                seq += 1
                 t0 = time.perf_counter()
                 rec = {"client": i, "ok": False, "status": None, "ttft": None, "tokens": 0}
                 try:
@@ -100,11 +154,36 @@ def main() -> None:
                 except openai.APIError as e:
                     rec["status"] = type(e).__name__
                 rec["latency"] = time.perf_counter() - t0
+                rec["hostile"], rec["seq"] = half, seq
                 with lock:
                     results.append(rec)
 
+        hostile_on = threading.Event()
+        probes: list[tuple[bool, float]] = []   # (hostile, /health seconds)
+        big: dict = {}
+
+        def probe_loop() -> None:
+            while time.monotonic() < deadline:
+                t0 = time.perf_counter()
+                with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=60):
+                    pass
+                probes.append((hostile_on.is_set(), time.perf_counter() - t0))
+                time.sleep(0.2)
+
+        def hostile_loop() -> None:
+            # its own process: the bench's clients keep their interpreter to themselves
+            time.sleep(args.seconds / 2)
+            hostile_on.set()
+            rest = max(deadline - time.monotonic(), 1.0)
+            r = subprocess.run([sys.executable, "-c", HOSTILE, url, str(rest)],
+                               capture_output=True, text=True, timeout=rest + 120)
+            big.update(json.loads(r.stdout or "{}"))
+
         t_start = time.perf_counter()
         threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+        threads.append(threading.Thread(target=probe_loop))
+        if args.hostile:
+            threads.append(threading.Thread(target=hostile_loop))
         for t in threads:
             t.start()
         for t in threads:
@@ -131,8 +210,26 @@ def main() -> None:
         "ttft_p50_s": round(percentile(ttft, 0.5), 2),
         "ttft_p95_s": round(percentile(ttft, 0.95), 2),
         "mean_tokens": round(statistics.mean([r["tokens"] for r in ok]), 1) if ok else 0,
+        "health_p50_s": round(percentile([t for _, t in probes], 0.5), 3),
+        "health_max_s": round(max([t for _, t in probes], default=float("nan")), 3),
         "server": health, "machine": describe(machine(default_threads())),
     }
+    if args.hostile:
+        for name, hostile in (("calm", False), ("hostile", True)):
+            t = [r["ttft"] for r in ok if r["hostile"] == hostile and r["ttft"] is not None]
+            h = [p for on, p in probes if on == hostile]
+            summary[name] = {"requests": len(t), "ttft_p50_s": round(percentile(t, 0.5), 2),
+                             "ttft_p95_s": round(percentile(t, 0.95), 2),
+                             "health_p50_s": round(percentile(h, 0.5), 3),
+                             "health_max_s": round(max(h, default=float("nan")), 3)}
+        summary["hostile"].update(big)
+        # each hostile-half request against the calm-half one with the same client and prompt
+        calm = {(r["client"], r["seq"]): r["ttft"] for r in ok if not r["hostile"]}
+        delta = [r["ttft"] - calm[r["client"], r["seq"]] for r in ok if r["hostile"]
+                 and r["ttft"] is not None and calm.get((r["client"], r["seq"])) is not None]
+        summary["ttft_delay_vs_twin_s"] = {"pairs": len(delta),
+                                           "p50": round(percentile(delta, 0.5), 2),
+                                           "p95": round(percentile(delta, 0.95), 2)}
     print(json.dumps(summary, indent=1))
     if args.markdown:
         cmd = "python scripts/load_test.py " + " ".join(sys.argv[1:])

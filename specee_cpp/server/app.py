@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: routes, errors, authentication, server-sent events.
+"""The OpenAI-compatible HTTP app: routes, errors, server-sent events (the key and the
+request's limits: limits.py).
 
 Handlers validate everything that can be refused (body, mode, sampling, context) before a
 job is queued, then wait for the job's first step before answering, so a request that
@@ -8,7 +9,6 @@ fails to start gets a status code, not a broken stream. Errors are OpenAI's shap
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -16,10 +16,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingConfig
@@ -29,11 +30,15 @@ from ..engine.modes import Mode
 from ..engine.steps import Stats, Step, Transcript
 from ..errors import SpeceeError
 from ..speculative.mode import parse_gamma
+from .limits import Gate
 from .schema import ChatRequest, CompletionRequest, Extra
 from .worker import END, Job, QueueFull, Worker
 
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 POLL_S = 0.25                      # how often a waiting handler checks for a gone client
+# a stream's time to end after a shutdown signal: under uvicorn's own graceful timeout (5 s),
+# and a job stops within one token
+SHUTDOWN_GRACE_S = 4.0
 
 
 class ClientGone(Exception):
@@ -50,6 +55,11 @@ class ServeConfig:
     sampling: SamplingConfig = SamplingConfig()
     api_key: str | None = None
     max_queue: int = 16
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            # an empty key would turn authentication off without a word
+            raise SpeceeError("the API key is empty: give a key, or None to serve without one")
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -127,20 +137,6 @@ ERROR_HANDLERS = {RequestValidationError: _invalid, StarletteHTTPException: _htt
                   QueueFull: _full, SpeceeError: _refused, Exception: _bug}
 
 
-def require_key(api_key: str):
-    """Middleware refusing every route without ``Authorization: Bearer <api_key>`` (compared
-    in constant time)."""
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request, call_next):
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return error(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                         kind="authentication_error", code="invalid_api_key")
-        return await call_next(request)
-    return check
-
-
 # ---- the served pair: requests become jobs for its one worker -------------------------------
 
 @dataclass
@@ -191,7 +187,9 @@ class Server:
     async def serve(self, body, request: Request, prompt, chat: bool):
         """Queue the request, wait for its first step (a request that fails to start gets a
         status code, not a broken stream), then stream or answer whole."""
-        job = self.job(body, prompt, chat)
+        # tokenizing a long prompt and rendering a model's template take time: off the event
+        # loop, which serves every other client meanwhile
+        job = await asyncio.to_thread(self.job, body, prompt, chat)
         self.worker.submit(job)
         getter: asyncio.Task | None = None
 
@@ -208,6 +206,8 @@ class Server:
                 if await request.is_disconnected():
                     job.stop()
                     raise ClientGone
+                if AppStatus.should_exit:   # shutting down: answer with what is done
+                    job.stop()
 
         try:
             first = await next_item()
@@ -222,9 +222,13 @@ class Server:
                "created": int(time.time()), "model": self.cfg.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            # on shutdown (SIGTERM) the stream is not cut: its job stops within a token and
+            # the stream ends as streams do, with a finish reason and [DONE]
+            shutdown = anyio.Event()
             return EventSourceResponse(
-                _sse(job, first, ids, chat, include_usage), ping=15,
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                _sse(job, first, ids, chat, include_usage, shutdown), ping=15,
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
         done = Transcript()
         item = first
         try:
@@ -295,16 +299,21 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     app.state.server = Server(llm, cfg, worker)
     for exc, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(exc, handler)
-    if cfg.api_key:   # every route, when a key is set
-        app.middleware("http")(require_key(cfg.api_key))
+    app.add_middleware(Gate, api_key=cfg.api_key)   # the key, then the body's limits
     app.include_router(router)
     return app
 
 
-async def _sse(job: Job, first: Step, ids: dict, chat: bool,
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(job: Job, first: Step, ids: dict, chat: bool, include_usage: bool,
+               shutdown: anyio.Event | None = None) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     finished = False
+
+    async def stop_on_shutdown():
+        await shutdown.wait()
+        job.stop()
+
+    watcher = asyncio.ensure_future(stop_on_shutdown()) if shutdown is not None else None
 
     def chunk(text: str | None, reason: str | None = None, role: bool = False,
               **extra) -> str:
@@ -333,10 +342,16 @@ async def _sse(job: Job, first: Step, ids: dict, chat: bool,
                             specee=specee_stats(job.mode, stats))
             item = await job.events.get()
         finished = True
+        if stats is None and shutdown is not None and shutdown.is_set():
+            yield chunk(None if chat else "", reason="stop",
+                        specee={**specee_stats(job.mode, None),
+                                "note": "stopped: the server is shutting down"})
         if include_usage and stats is not None:
             yield json.dumps({**ids, "object": obj, "choices": [], "usage": _usage(stats)})
         yield "[DONE]"
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if not finished:
             job.stop()     # the client left: the worker decodes no further token
 
