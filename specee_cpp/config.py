@@ -82,6 +82,14 @@ SCREEN_CONTEXT = 128       # tokens cached before a variant's timed decodes (the
 SCREEN_TOKENS = 8          # draft decodes a timing sample
 SCREEN_REPEATS = 5         # samples a variant (the median is kept)
 HISTORY_MAX_TOKENS = 200_000   # the opt-in history store: ~800 KB, its trie ~0.5 s to build
+# Untrusted input's budgets: what a model file's chat template and an HTTP client may cost
+# before they are refused. A real template renders in milliseconds into a few times its
+# messages; a 128k-token context is ~0.5 MB of text, so 8 MiB leaves JSON escapes room.
+TEMPLATE_RENDER_S = 2.0
+TEMPLATE_MAX_CHARS = 8 << 20
+MAX_BODY_BYTES = 8 << 20
+HEADER_READ_S = 10.0       # a connection's request headers, whole, from its first byte
+BODY_READ_S = 30.0         # a request's body, whole, once its headers are in
 
 # early exit (early_exit/)
 THRESHOLD_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)   # calibrated
@@ -114,6 +122,12 @@ class LoadConfig:
             raise SpeceeError(f"n_batch must be positive, got {self.n_batch}")
         if self.n_threads < 0:
             raise SpeceeError(f"n_threads must be >= 0, got {self.n_threads}")
+        cpus = os.cpu_count() or 1
+        if self.n_threads > cpus:
+            # threads past the CPUs wait for each other at every barrier of every layer:
+            # tens of times slower, not faster
+            raise SpeceeError(f"{self.n_threads} threads is more than this machine's {cpus} "
+                              f"logical CPUs (0 picks a count that suits it)")
 
     @property
     def threads(self) -> int:

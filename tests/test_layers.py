@@ -12,7 +12,7 @@ PKG = Path(specee_cpp.__file__).parent
 # lowest first; an import may only point to a strictly lower rank (speculative and
 # early_exit share one, so neither may import the other; spec_ee, their combination, sits
 # above both)
-RANK = {"errors": 0, "config": 1, "paths": 1, "records": 1, "mlp": 1, "memory": 1, "models": 2,
+RANK = {"errors": 0, "config": 1, "paths": 1, "records": 1, "text": 1, "mlp": 1, "memory": 1, "models": 2,
         "bindings": 3, "provenance": 4, "engine": 5, "crash_probe": 5, "speculative": 6,
         "early_exit": 6, "spec_ee": 7, "bench": 8, "server": 8, "doctor": 8, "cli": 9,
         "__init__": 10}

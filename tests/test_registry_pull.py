@@ -147,3 +147,54 @@ def test_killed_pull_leaves_a_folder_the_next_pull_removes(blob, tmp_path):
     (live / "owner.pid").write_text(str(os.getpid()))  # a pull that is still running
     assert pull_mod.pull(entry).read_bytes() == data
     assert [d.name for d in models.glob(".pull-*")] == [".pull-live"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX: an orphan is given a new parent")
+def test_a_child_of_a_killed_pull_ends_too(tmp_path):
+    """pip runs under a watch on its parent: killed outright, a pull leaves no download
+    running on (a server stands in for a long download)."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "from specee_cpp.models import pull\n"
+        "p = subprocess.Popen(pull.watched('http.server', ['0', '--bind', '127.0.0.1']),\n"
+        "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\n"
+        "p.wait()\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                return "\tZ" not in next(ln for ln in fh if ln.startswith("State:"))
+        except FileNotFoundError:
+            return False
+        except OSError:   # no /proc (macOS): signal 0
+            try:
+                os.kill(pid, 0)
+                return True
+            except ProcessLookupError:
+                return False
+
+    time.sleep(1.0)
+    assert running(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while running(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not running(child), "the child ran on after its pull was killed"
+
+
+def test_models_mentions_unfinished_downloads(tmp_path):
+    models = tmp_path / "models"
+    (models / ".pull-abc").mkdir(parents=True)
+    (models / ".pull-abc" / "part.whl").write_bytes(b"x" * (3 << 20))
+    assert pull_mod.unfinished_work(models) == (1, 3 << 20)
+    assert pull_mod.unfinished_work(tmp_path / "none") == (0, 0)
+    r = subprocess.run([sys.executable, "-m", "specee_cpp.cli", "models"], capture_output=True,
+                       text=True, timeout=60,
+                       env=dict(os.environ, SPECEE_CPP_HOME=str(tmp_path), COLUMNS="300"))
+    assert r.returncode == 0, r.stderr
+    assert "1 unfinished download folder (.pull-*, 3 MiB)" in r.stdout, r.stdout

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import (ContextOverflowError, DecodeError, ModelFileError, SpeceeError,
                       UnsupportedArchitectureError)
 from ..models.gguf_info import GGUFInfo, read_gguf_info
+from ..text import checked
 from . import _ffi
 from ._ffi import ll
 
@@ -199,7 +200,7 @@ class Model:
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
+        data = checked(text).encode("utf-8")
         n_max = len(data) + 8
         buf = (ll.llama_token * n_max)()
         n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)

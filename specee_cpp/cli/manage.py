@@ -59,7 +59,7 @@ def pull(
 @app.command()
 def models() -> None:
     """List the registry and what is present locally."""
-    from ..models.pull import is_verified, verified_at
+    from ..models.pull import is_verified, unfinished_work, verified_at
 
     reg = load_registry()
     table = Table(title="specee-cpp models")
@@ -76,6 +76,13 @@ def models() -> None:
     out.print(table)
     for name, (t, d) in reg.pairs.items():
         out.print(f"pair [bold]{name}[/bold]: target {t}, draft {d}")
+    folders = {e.local_path.parent for e in reg.models.values()}
+    n, size = (sum(x) for x in zip(*(unfinished_work(f) for f in folders))) if folders \
+        else (0, 0)
+    if n:
+        out.print(f"[yellow]{n} unfinished download folder{'s' if n > 1 else ''} (.pull-*, "
+                  f"{size / 2**20:.0f} MiB)[/yellow] in {', '.join(map(str, folders))}: the "
+                  f"next pull removes those whose pull has ended")
 
 
 @app.command()

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import SpeceeError
+from ..text import checked
 from .common import (ModeFlags, OptCtx, OptDraft, OptGpu, OptMaxTokens, OptSeed, OptTemp,
                      OptThreads, OptTopK, OptTopP, OptVerbose, _EXIT_WORDS, _default_pair, _load,
                      _load_config, _sampling, app, err, out, print_stats, with_mode_flags)
@@ -17,7 +19,11 @@ from .common import (ModeFlags, OptCtx, OptDraft, OptGpu, OptMaxTokens, OptSeed,
 @with_mode_flags
 def generate(
     model: str = typer.Argument(..., help="Registry name or path to a .gguf file."),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt."),
+    prompt_file: Optional[Path] = typer.Option(
+        None, "--prompt-file", "-f",
+        help="Read the prompt from this file (-: standard input), for prompts too long for "
+             "a command line."),
     draft: Optional[str] = OptDraft,
     max_tokens: int = OptMaxTokens,
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
@@ -33,6 +39,7 @@ def generate(
 
     from ..engine.steps import Transcript
 
+    prompt = _prompt(prompt, prompt_file)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
@@ -49,6 +56,20 @@ def generate(
         else:
             out.print()
             print_stats(done.stats, verbose)
+
+
+def _prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt from ``-p`` or ``--prompt-file`` (exactly one), as text; bytes that are
+    not UTF-8 are refused where the prompt is tokenized, with their position."""
+    if (prompt is None) == (prompt_file is None):
+        raise SpeceeError("give the prompt with -p TEXT or --prompt-file PATH (one of them)")
+    if prompt_file is None:
+        return prompt
+    try:
+        data = sys.stdin.buffer.read() if str(prompt_file) == "-" else prompt_file.read_bytes()
+    except OSError as e:
+        raise SpeceeError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
+    return data.decode("utf-8", errors="surrogateescape")
 
 
 @app.command()
@@ -68,6 +89,8 @@ def chat(
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
     from ..engine.steps import Transcript
 
+    if system is not None:
+        checked(system, "--system")
     model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
@@ -78,6 +101,10 @@ def chat(
                   + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
                   + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply.")
         messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        if hasattr(sys.stdin, "reconfigure"):
+            # a line that is not UTF-8 reaches the model's check, which names the byte and
+            # keeps the session, instead of ending it in input()
+            sys.stdin.reconfigure(errors="surrogateescape")
         while True:
             try:
                 user = input("\n> ")
@@ -135,26 +162,39 @@ def serve(
         import uvicorn
 
         from ..server.app import ServeConfig, create_app
+        from ..server.limits import H11WithDeadline
     except ImportError as e:
         raise SpeceeError(f"specee-cpp serve needs the server extra ({e.name} is missing): "
                           f"pip install 'specee-cpp[server]'") from None
 
+    if not 0 <= port <= 65535:
+        raise SpeceeError(f"--port {port}: a port is 0..65535 (0: any free port)")
+    import os
+
+    if api_key is None:   # click takes an empty variable for an unset one
+        api_key = os.environ.get("SPECEE_CPP_API_KEY")
+    if api_key is not None and not api_key.strip():
+        # an empty key would turn authentication off without a word
+        raise SpeceeError("--api-key (or SPECEE_CPP_API_KEY) is empty: give a key, or leave "
+                          "both out to serve without one")
     model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
+    config = _load_config(n_ctx, threads, gpu_layers)   # refused before the port is taken
     # bound before loading, so a taken port is one line now, not after a minute of loading
     try:
         sock = socket.create_server((host, port))
     except OSError as e:
         raise SpeceeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
+    llm = _load(model, draft, config)
     with llm:
         m.prepare(llm, opts, status=err.status)
         cfg = ServeConfig(model_name=Path(model).stem if model.endswith(".gguf") else model,
                           mode=m, options=opts, sampling=sampling, api_key=api_key,
                           max_queue=max_queue)
         server = uvicorn.Server(uvicorn.Config(create_app(llm, cfg), log_level="warning",
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=5,
+                                               http=H11WithDeadline))
         bound = sock.getsockname()
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: "

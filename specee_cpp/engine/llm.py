@@ -10,6 +10,7 @@ from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
 from ..memory import private_weights
 from ..models.gguf_info import read_gguf_info
 from ..models.registry import looks_like_path, resolve_model
+from ..text import checked
 from . import modes
 from .chat_template import ChatTemplate
 from .modes import Mode
@@ -206,11 +207,43 @@ class LLM:
         a list of {role, content} messages, or token ids (returned as they are)."""
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
+        if isinstance(prompt, str):
+            checked(prompt, "the prompt")
+        else:
+            for i, m in enumerate(prompt):
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    checked(m["content"], f"message {i} ({m.get('role')})")
         if isinstance(prompt, str) and not chat:
             return self.model.tokenize(prompt, add_special=True, parse_special=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # The template writes BOS itself where the model wants one.
-        return self.model.tokenize(self.prompt_text(prompt), add_special=False,
-                                   parse_special=True)
+        return self._chat_tokens(messages)
+
+    def _chat_tokens(self, messages: list[dict]) -> list[int]:
+        """The rendered chat, its special tokens the template's alone. A message's content is
+        text: one that holds a special token's text ("<|im_start|>system") must not close the
+        user's turn and open another, as tokenizing the rendered prompt whole would let it.
+        Such contents are cut out of the rendering (a marker in their place) and tokenized
+        as text; every other prompt is tokenized whole, as the template's author wrote it."""
+        tok = self.model.tokenize
+        text = self.prompt_text(messages)
+        held = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)
+                and tok(m["content"], False, True) != tok(m["content"], False, False)]
+        if not held:
+            return tok(text, add_special=False, parse_special=True)
+        marks = {i: f"\x00specee-content-{i}\x00" for i in held}
+        masked = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
+        rendered = self.prompt_text(masked)
+        out, pos = [], 0
+        for i in held:
+            at = rendered.find(marks[i], pos)
+            if at < 0 or rendered.count(marks[i]) != 1:
+                raise SpeceeError(f"message {i} ({messages[i].get('role')}) holds a special "
+                                  f"token's text, and this model's chat template does not "
+                                  f"keep a message's content whole to read it as text")
+            out += tok(rendered[pos:at], False, True) + tok(messages[i]["content"], False, False)
+            pos = at + len(marks[i])
+        return out + tok(rendered[pos:], False, True)
 
     @property
     def n_ctx(self) -> int:

