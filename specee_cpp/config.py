@@ -82,6 +82,12 @@ SCREEN_CONTEXT = 128       # tokens cached before a variant's timed decodes (the
 SCREEN_TOKENS = 8          # draft decodes a timing sample
 SCREEN_REPEATS = 5         # samples a variant (the median is kept)
 HISTORY_MAX_TOKENS = 200_000   # the opt-in history store: ~800 KB, its trie ~0.5 s to build
+# the x86 kernels' weight read-ahead (engine/read_ahead.py): the distance tried, as the
+# library sets it (chosen on a Zen 3), and the gain it must show over off to be kept, so
+# that noise does not turn on what a machine gains nothing from
+READ_AHEAD_BYTES = 4608
+READ_AHEAD_MARGIN = 0.02
+
 # Untrusted input's budgets: what a model file's chat template and an HTTP client may cost
 # before they are refused. A real template renders in milliseconds into a few times its
 # messages; a 128k-token context is ~0.5 MB of text, so 8 MiB leaves JSON escapes room.

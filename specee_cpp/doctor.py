@@ -10,7 +10,7 @@ from .models.registry import load_registry
 from .paths import home
 from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
                          PREFETCH_ENV, Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_ENV,
-                         amx_fused_override, amx_rows_override, amx_switched_off,
+                         amx_fused_override, amx_rows_override, amx_switched_off, prefetch_set,
                          q6k_fused_override, repack_fused_default, repack_fused_override)
 
 
@@ -84,15 +84,23 @@ def repack_state(system_info: str) -> str:
 
 
 def prefetch_state(system_info: str, distance: int | None) -> str:
-    """Whether the x86 matmul kernels ask for the weights ahead (patch 0015), and how far."""
+    """Whether the x86 matmul kernels ask for the weights ahead (patch 0015), where that
+    came from, and what was measured on this machine (engine/read_ahead.py)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
     if distance is None:
         return "not in this build (patch 0015 missing)"
-    if distance <= 0:
-        return f"off ({PREFETCH_ENV}=0); unset it to ask for the weights ahead again"
-    return (f"weights asked for {distance} bytes ahead of the block being read, patch 0015 "
-            f"({PREFETCH_ENV}=0: off)")
+    if prefetch_set() is not None:
+        return (f"{'off' if distance <= 0 else f'{distance} bytes ahead'}, set by hand "
+                f"({PREFETCH_ENV}); unset it to use this machine's measurement")
+    from .engine.read_ahead import measured
+
+    seen = measured()
+    if not seen:
+        return ("off until measured: the first load of a model on this machine times it "
+                "on and off and keeps the faster")
+    return "; ".join(f"{name}: {'on' if on else 'off'} ({1e3 * t_on:.2f} ms a token with it, "
+                     f"{1e3 * t_off:.2f} ms without)" for name, on, t_on, t_off in seen)
 
 
 def diagnose() -> tuple[list[tuple[str, str]], bool]:

@@ -104,6 +104,13 @@ def cpu_prefetch_bytes() -> int | None:
     return None if var is None else int(var.value)
 
 
+def start_read_ahead_off() -> None:
+    """Patch 0015's read-ahead off until this machine's measurement says otherwise
+    (engine/read_ahead.py), unless GGML_CPU_PREFETCH sets it by hand."""
+    if os.environ.get("GGML_CPU_PREFETCH") is None and _cpu_prefetch_var() is not None:
+        _cpu_prefetch_var().value = 0
+
+
 def set_cpu_prefetch_bytes(n: int) -> None:
     """Set patch 0015's distance for the decodes that follow (0: off), for an in-process
     A/B of the read-ahead; raises SpeceeError without the patch."""
@@ -112,6 +119,9 @@ def set_cpu_prefetch_bytes(n: int) -> None:
         raise SpeceeError(f"the CPU backend beside {_ffi.lib_path} has no weight prefetch "
                           f"setting (patch 0015)")
     var.value = max(int(n), 0)
+
+
+start_read_ahead_off()
 
 
 class _Handle:

@@ -1,0 +1,131 @@
+"""The x86 kernels' weight read-ahead (patch 0015), on only where it was measured to pay on
+this machine.
+
+The patch asks for each weight block a few KiB before the kernel reads it, because the
+hardware prefetchers stop at every 4 KiB page. Whether that helps depends on the CPU: it
+made a plain token 8-19% cheaper on the Zen 3 and Zen 5 machines it was tuned on and about
+9% dearer on a Zen 4 (docs/kernels.md). So the library starts with it off, upstream's
+behaviour, and the first load of a model on a machine times one-token decodes with it on
+and off, in turn (a second or two), keeps the faster, and caches the choice beside the cost
+tables. ``GGML_CPU_PREFETCH`` set by hand wins over both.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from ..config import COST_PROMPT, READ_AHEAD_BYTES, READ_AHEAD_MARGIN
+from ..paths import home, write_text_atomic
+
+VERSION = 1   # part of the cache key: a changed method measures again
+
+
+def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
+                    decodes: int = 16, warmup: int = 2, clock=time.perf_counter) -> dict:
+    """Median seconds of one decoded token of ``model`` with the read-ahead at ``distance``
+    bytes and off, after ``tokens`` in the cache, alternating token by token (a machine
+    slowing down slows both), each first in turn: {"on": s, "off": s, "distance": bytes}."""
+    from ..bindings import Batch, Context
+    from ..bindings.llama import cpu_prefetch_bytes, set_cpu_prefetch_bytes
+
+    before = cpu_prefetch_bytes()
+    n = len(tokens)
+    ctx = Context(model, n_ctx=n + 8, n_batch=max(n, 1), n_threads=n_threads)
+    batch = Batch(max(n, 1))
+    times: dict = {"on": [], "off": []}
+    try:
+        batch.set(tokens, 0)
+        ctx.decode(batch)
+        pair = (("on", distance), ("off", 0))
+        for i in range(warmup + decodes):
+            for name, d in pair if i % 2 else pair[::-1]:   # each goes first half the time
+                set_cpu_prefetch_bytes(d)
+                batch.set([tokens[i % n]], n)
+                t0 = clock()
+                ctx.decode(batch)
+                dt = clock() - t0
+                ctx.seq_rm(n)
+                if i >= warmup:
+                    times[name].append(dt)
+    finally:
+        set_cpu_prefetch_bytes(before)
+        ctx.close()
+        batch.close()
+    return {"on": float(np.median(times["on"])), "off": float(np.median(times["off"])),
+            "distance": distance}
+
+
+def choose(seen: dict) -> int:
+    """The distance to run with: the one timed where it beat off by more than
+    READ_AHEAD_MARGIN, else 0 (off: upstream's behaviour, safe where the gain is noise)."""
+    return seen["distance"] if seen["on"] < (1.0 - READ_AHEAD_MARGIN) * seen["off"] else 0
+
+
+def _cache_name(model_path, where: dict) -> str:
+    """The measurement's file for a model (name and size: no hash of a GB file at every
+    load) on a machine (as before any read-ahead choice)."""
+    from ..provenance import machine_id
+
+    where = {k: v for k, v in where.items() if k != "prefetch"}
+    return (f"read-ahead-{model_path.stem[:40]}-{model_path.stat().st_size}"
+            f"-m{machine_id(where)}-v{VERSION}.json")
+
+
+def measured() -> list[tuple[str, bool, float, float]]:
+    """What was measured on this machine, at any thread count: (model, with its thread
+    count where not the default; on?; seconds a token on; off) each."""
+    import os
+
+    from ..config import default_threads
+    from ..provenance import machine, machine_id
+
+    out = []
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        where = {k: v for k, v in machine(n).items() if k != "prefetch"}
+        for f in sorted((home() / "costs").glob(f"read-ahead-*-m{machine_id(where)}"
+                                                  f"-v{VERSION}.json")):
+            try:
+                seen = json.loads(f.read_text(encoding="utf-8"))
+                name = f.name.split("-m" + machine_id(where))[0].removeprefix("read-ahead-")
+                if n != default_threads():
+                    name += f" ({n} thread{'s' if n > 1 else ''})"
+                out.append((name, choose(seen) > 0, seen["on"], seen["off"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def read_ahead(llm) -> tuple[int | None, str]:
+    """Set the read-ahead for this process from this machine's measurement (made now if
+    there is none for this model, then cached): (distance in bytes, where it came from).
+    (None, why) where the library has no read-ahead or the environment sets it."""
+    from ..bindings.llama import cpu_prefetch_bytes, set_cpu_prefetch_bytes
+    from ..provenance import PREFETCH_ENV, machine, prefetch_set
+
+    if prefetch_set() is not None:
+        return prefetch_set(), f"{PREFETCH_ENV} in the environment"
+    if cpu_prefetch_bytes() is None:
+        return None, "not in this library (patch 0015, x86 CPU backend)"
+
+    def make():
+        cache = home() / "costs" / _cache_name(llm.model.path, machine(llm.config.threads))
+        try:
+            seen = json.loads(cache.read_text(encoding="utf-8"))
+            if {"on", "off", "distance"} <= set(seen):
+                return choose(seen), seen, f"measured on this machine ({cache.name})"
+        except (OSError, ValueError, TypeError):
+            pass   # none yet, torn or another layout: measure
+        raw = llm.prompt_tokens(COST_PROMPT, chat=False)
+        tokens = (raw * (64 // len(raw) + 1))[:64]
+        seen = time_read_ahead(llm.model, llm.config.threads, tokens, READ_AHEAD_BYTES)
+        write_text_atomic(cache, json.dumps(seen))
+        return choose(seen), seen, "measured on this machine now"
+
+    if llm.config.n_gpu_layers:
+        return 0, "off: the weights are on the GPU"
+    distance, seen, source = llm.cached(("read-ahead", llm.model.path), make)
+    set_cpu_prefetch_bytes(distance)
+    return distance, (f"{source}: a token {1e3 * seen['on']:.2f} ms with it, "
+                      f"{1e3 * seen['off']:.2f} ms without")
