@@ -146,17 +146,11 @@ def machine(n_threads: int) -> dict:
             # "x86 without AMX"); only then is it part of the machine, so that tables
             # measured before the variables existed keep their key
             **({"rows": ", ".join(limits)} if (limits := row_limits_set()) else {}),
-            # the weights' read-ahead moves a plain token by 8-19% (docs/kernels.md, "Every x86
-            # CPU"): recorded where set by hand, or where this machine's measurement turned
-            # it off (tables measured before either keep their key)
+            # the weights' read-ahead set by hand moves a plain token by 8-19% (docs/kernels.md,
+            # "Every x86 CPU"); recorded only then, as the row limits are (a model's measured
+            # choice is recorded by what it keys: speculative.mode.cost_model)
             **({"prefetch": f"{PREFETCH_ENV}={pf}"} if (pf := prefetch_set()) is not None
-               else {"prefetch": "read-ahead off"} if _read_ahead_off() else {})}
-
-
-def _read_ahead_off() -> bool:
-    from .bindings.llama import cpu_prefetch_bytes
-
-    return cpu_prefetch_bytes() == 0
+               else {})}
 
 
 def row_limits_set() -> list[str]:

@@ -122,19 +122,22 @@ def real_kernels(directory: str, quant: str) -> None:
 
 def prefetch_changes_nothing(directory: str, quant: str) -> None:
     """Patch 0015: every array of run_pair (prompt batch, staged decode, exit, one-token
-    decodes) is the same bit for bit with the weights asked for ahead (the default) and with
-    that switched off in the loaded library: a prefetch only moves data."""
+    decodes) is the same bit for bit with the weights asked for ahead (the distance a machine
+    may choose) and with that switched off in the loaded library: a prefetch only moves
+    data."""
     from specee_cpp.bindings import cpu_prefetch_bytes, set_cpu_prefetch_bytes
+    from specee_cpp.config import READ_AHEAD_BYTES
 
     path = make_model(Path(directory), quant)
-    ahead = cpu_prefetch_bytes()
-    assert ahead is not None and ahead > 0, f"weight prefetch not on by default: {ahead}"
-    on = run_pair(path)
-    set_cpu_prefetch_bytes(0)
+    before = cpu_prefetch_bytes()
+    assert before is not None, "no weight prefetch setting in this library"
+    set_cpu_prefetch_bytes(READ_AHEAD_BYTES)
     try:
+        on = run_pair(path)
+        set_cpu_prefetch_bytes(0)
         off = run_pair(path)
     finally:
-        set_cpu_prefetch_bytes(ahead)
+        set_cpu_prefetch_bytes(before)
     for key in on:
         assert np.array_equal(on[key], off[key]), f"{quant}: {key} differs with prefetch off"
     print("ok")

@@ -140,6 +140,15 @@ def test_cost_model_records_its_machine(tmp_path, monkeypatch):
     # another build on the same CPU is another machine for the cache
     other = dict(m.machine, build="other")
     assert provenance.machine_id(other) != provenance.machine_id(m.machine)
+    # the target's read-ahead measured off here: its tables are not those measured with it on
+    monkeypatch.delenv(provenance.PREFETCH_ENV, raising=False)
+    keys = {}
+    for distance in (0, 4608):
+        with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
+            llm.read_ahead = (distance, "as if measured")
+            keys[distance] = cost_model(llm)
+    assert keys[0].machine["prefetch"] == "read-ahead off (measured)"
+    assert "prefetch" not in keys[4608].machine and keys[0].key != keys[4608].key
 
 
 class _Clocked:
@@ -362,8 +371,10 @@ def test_a_weight_prefetch_set_by_hand_is_another_machine(monkeypatch):
     for raw, read in (("8192", 8192), (" 9000x", 9000), ("-64", 0), ("x", 0), ("+128", 128)):
         monkeypatch.setenv(provenance.PREFETCH_ENV, raw)
         assert provenance.prefetch_set() == read, raw
-    assert prefetch_state("AVX2 = 1", 4608).startswith("weights asked for 4608 bytes ahead")
-    assert prefetch_state("AVX2 = 1", 0).startswith("off")
+    monkeypatch.setenv(provenance.PREFETCH_ENV, "4608")
+    assert prefetch_state("AVX2 = 1", 4608).startswith("4608 bytes ahead, set by hand")
+    monkeypatch.setenv(provenance.PREFETCH_ENV, "0")
+    assert prefetch_state("AVX2 = 1", 0).startswith("off, set by hand")
     assert "patch 0015 missing" in prefetch_state("AVX2 = 1", None)
     assert prefetch_state("NEON = 1", 4608).startswith("not used")
 

@@ -269,9 +269,10 @@ def test_weight_prefetch_changes_no_result(kdir, quant):
     assert child("prefetch_changes_nothing", str(kdir), quant) == "ok"
 
 
-def test_weight_prefetch_is_on_by_default_and_its_variable_sets_it():
-    """Patch 0015's distance as the loaded library has it after the CPU backend's init:
-    GGML_CPU_PREFETCH unset (on), 0 or below (off), or a number of bytes."""
+def test_weight_prefetch_starts_off_and_its_variable_sets_it():
+    """Patch 0015's distance as the loaded package has it at import: GGML_CPU_PREFETCH unset
+    (off until a model's measurement on the machine says otherwise: engine/read_ahead.py), 0
+    or below (off), or a number of bytes."""
     code = "from specee_cpp.bindings import cpu_prefetch_bytes; print(cpu_prefetch_bytes())"
 
     def read(value: str | None) -> str:
@@ -283,7 +284,7 @@ def test_weight_prefetch_is_on_by_default_and_its_variable_sets_it():
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout.strip()
 
-    assert int(read(None)) > 0
+    assert read(None) == "0"
     assert read("0") == "0"
     assert read("-64") == "0"
     assert read("8192") == "8192"

@@ -117,6 +117,10 @@ def cost_model(llm, progress=None):
         # the machine (CPU features, build, threads, AMX switch) is part of the key: a
         # cache copied to another machine, or a rebuilt library, measures again
         where = machine(llm.config.threads)
+        if llm.read_ahead[0] == 0 and "prefetch" not in where:
+            # measured off for this target here: tables measured with the library's old
+            # default (on) are not these prices
+            where = {**where, "prefetch": "read-ahead off (measured)"}
         key = (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
         prompt = llm.prompt_tokens(COST_PROMPT)
