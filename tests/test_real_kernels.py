@@ -128,12 +128,13 @@ def test_small_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch):
     assert child("small_batch_rows", str(kdir), "Q6_K", sizes) == " ".join(["0"] * 8)
 
 
-def q8_k_inputs() -> "np.ndarray":
-    """Rows of 64 blocks with what the reference's scalar loop decides on: ties of |x| with
-    both signs (which one is the block's max), rounding ties, all-zero blocks (bsums left as
-    they were), NaNs with payloads (skipped by amax), infinities, tiny and huge values, and
-    blocks whose largest |x| is under ~4e-37, where -127/max overflows to infinity and the
-    products' ints (-2^22) reach the int8 store, which truncates them to 0."""
+def q8_k_inputs():
+    """Rows (a numpy array) of 64 blocks with what the reference's scalar loop decides on:
+    ties of |x| with both signs (which one is the block's max), rounding ties, all-zero
+    blocks (bsums left as they were), NaNs with payloads (skipped by amax), infinities, tiny
+    and huge values, and blocks whose largest |x| is under ~4e-37, where -127/max overflows
+    to infinity and the products' ints (-2^22) reach the int8 store, which truncates them
+    to 0."""
     import numpy as np
 
     rng = np.random.default_rng(7)
