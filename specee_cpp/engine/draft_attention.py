@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
-
 from ..config import COST_CONTEXTS, COST_PROMPT
 from ..paths import home, write_text_atomic
+from .timing import time_in_turn
 
 VERSION = 1   # part of the cache key: a changed method measures again
 
@@ -48,18 +47,10 @@ def time_attention(model, n_threads: int, tokens: list[int], contexts=COST_CONTE
                     batch.set(fill[s:min(s + n_batch, c)], s)
                     ctx.decode(batch)
             filled = c
-            times: dict = {name: [] for name in settings}
-            for i in range(warmup + decodes):
-                for name, ctx in ctxs.items():
-                    batch.set([fill[i % len(fill)]], c)
-                    t0 = clock()
-                    ctx.decode(batch)
-                    dt = clock() - t0
-                    ctx.seq_rm(c)
-                    if i >= warmup:
-                        times[name].append(dt)
+            seen = time_in_turn({name: (ctx, None) for name, ctx in ctxs.items()}, batch, fill,
+                                c, decodes, warmup, clock=clock)
             for name in settings:
-                out[name].append(float(np.median(times[name])))
+                out[name].append(seen[name])
     finally:
         for ctx in ctxs.values():
             ctx.close()

@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
-
 from ..config import COST_PROMPT, READ_AHEAD_BYTES, READ_AHEAD_MARGIN
 from ..paths import home, write_text_atomic
+from .timing import time_in_turn
 
 VERSION = 1   # part of the cache key: a changed method measures again
 
@@ -34,27 +33,18 @@ def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
     n = len(tokens)
     ctx = Context(model, n_ctx=n + 8, n_batch=max(n, 1), n_threads=n_threads)
     batch = Batch(max(n, 1))
-    times: dict = {"on": [], "off": []}
     try:
         batch.set(tokens, 0)
         ctx.decode(batch)
-        pair = (("on", distance), ("off", 0))
-        for i in range(warmup + decodes):
-            for name, d in pair if i % 2 else pair[::-1]:   # each goes first half the time
-                set_cpu_prefetch_bytes(d)
-                batch.set([tokens[i % n]], n)
-                t0 = clock()
-                ctx.decode(batch)
-                dt = clock() - t0
-                ctx.seq_rm(n)
-                if i >= warmup:
-                    times[name].append(dt)
+        # one context, the setting switched before each decode; each goes first half the time
+        seen = time_in_turn({"on": (ctx, lambda: set_cpu_prefetch_bytes(distance)),
+                             "off": (ctx, lambda: set_cpu_prefetch_bytes(0))},
+                            batch, tokens, n, decodes, warmup, swap=True, clock=clock)
     finally:
         set_cpu_prefetch_bytes(before)
         ctx.close()
         batch.close()
-    return {"on": float(np.median(times["on"])), "off": float(np.median(times["off"])),
-            "distance": distance}
+    return {**seen, "distance": distance}
 
 
 def choose(seen: dict) -> int:
