@@ -55,10 +55,9 @@ def choose(seen: dict) -> int:
 
 def _cache_name(model_path, where: dict) -> str:
     """The measurement's file for a model (name and size: no hash of a GB file at every
-    load) on a machine (as before any read-ahead choice)."""
+    load) on a machine."""
     from ..provenance import machine_id
 
-    where = {k: v for k, v in where.items() if k != "prefetch"}
     return (f"read-ahead-{model_path.stem[:40]}-{model_path.stat().st_size}"
             f"-m{machine_id(where)}-v{VERSION}.json")
 
@@ -73,12 +72,11 @@ def measured() -> list[tuple[str, bool, float, float]]:
 
     out = []
     for n in range(1, (os.cpu_count() or 1) + 1):
-        where = {k: v for k, v in machine(n).items() if k != "prefetch"}
-        for f in sorted((home() / "costs").glob(f"read-ahead-*-m{machine_id(where)}"
-                                                  f"-v{VERSION}.json")):
+        mid = machine_id(machine(n))
+        for f in sorted((home() / "costs").glob(f"read-ahead-*-m{mid}-v{VERSION}.json")):
             try:
                 seen = json.loads(f.read_text(encoding="utf-8"))
-                name = f.name.split("-m" + machine_id(where))[0].removeprefix("read-ahead-")
+                name = f.name.split(f"-m{mid}")[0].removeprefix("read-ahead-")
                 if n != default_threads():
                     name += f" ({n} thread{'s' if n > 1 else ''})"
                 out.append((name, choose(seen) > 0, seen["on"], seen["off"]))
@@ -87,35 +85,41 @@ def measured() -> list[tuple[str, bool, float, float]]:
     return out
 
 
+def _seen(llm) -> tuple[dict, str]:
+    """This machine's timing for the target (cached, else measured now and cached), and
+    where it came from."""
+    from ..provenance import machine
+
+    cache = home() / "costs" / _cache_name(llm.model.path, machine(llm.config.threads))
+    try:
+        seen = json.loads(cache.read_text(encoding="utf-8"))
+        if {"on", "off", "distance"} <= set(seen):
+            return seen, f"measured on this machine ({cache.name})"
+    except (OSError, ValueError, TypeError):
+        pass   # none yet, torn or another layout: measure
+    raw = llm.prompt_tokens(COST_PROMPT, chat=False)
+    tokens = (raw * (64 // len(raw) + 1))[:64]
+    seen = time_read_ahead(llm.model, llm.config.threads, tokens, READ_AHEAD_BYTES)
+    write_text_atomic(cache, json.dumps(seen))
+    return seen, "measured on this machine now"
+
+
 def read_ahead(llm) -> tuple[int | None, str]:
-    """Set the read-ahead for this process from this machine's measurement (made now if
-    there is none for this model, then cached): (distance in bytes, where it came from).
-    (None, why) where the library has no read-ahead or the environment sets it."""
+    """Set the read-ahead for this process from this machine's measurement for ``llm``'s
+    target (made now if there is none, then cached): (distance in bytes, where it came
+    from). (None, why) where the library has no read-ahead, (the value, why) where the
+    environment sets it (then machine() records it, and nothing is measured)."""
     from ..bindings.llama import cpu_prefetch_bytes, set_cpu_prefetch_bytes
-    from ..provenance import PREFETCH_ENV, machine, prefetch_set
+    from ..provenance import PREFETCH_ENV, prefetch_set
 
     if prefetch_set() is not None:
         return prefetch_set(), f"{PREFETCH_ENV} in the environment"
     if cpu_prefetch_bytes() is None:
         return None, "not in this library (patch 0015, x86 CPU backend)"
-
-    def make():
-        cache = home() / "costs" / _cache_name(llm.model.path, machine(llm.config.threads))
-        try:
-            seen = json.loads(cache.read_text(encoding="utf-8"))
-            if {"on", "off", "distance"} <= set(seen):
-                return choose(seen), seen, f"measured on this machine ({cache.name})"
-        except (OSError, ValueError, TypeError):
-            pass   # none yet, torn or another layout: measure
-        raw = llm.prompt_tokens(COST_PROMPT, chat=False)
-        tokens = (raw * (64 // len(raw) + 1))[:64]
-        seen = time_read_ahead(llm.model, llm.config.threads, tokens, READ_AHEAD_BYTES)
-        write_text_atomic(cache, json.dumps(seen))
-        return choose(seen), seen, "measured on this machine now"
-
     if llm.config.n_gpu_layers:
         return 0, "off: the weights are on the GPU"
-    distance, seen, source = llm.cached(("read-ahead", llm.model.path), make)
+    seen, source = _seen(llm)
+    distance = choose(seen)
     set_cpu_prefetch_bytes(distance)
     return distance, (f"{source}: a token {1e3 * seen['on']:.2f} ms with it, "
                       f"{1e3 * seen['off']:.2f} ms without")
