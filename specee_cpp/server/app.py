@@ -19,7 +19,6 @@ from typing import Any, AsyncIterator
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,6 +29,7 @@ from ..engine.modes import Mode
 from ..engine.steps import Stats, Step, Transcript
 from ..errors import SpeceeError
 from ..speculative.mode import parse_gamma
+from .errors import error, error_body
 from .limits import Gate
 from .schema import ChatRequest, CompletionRequest, Extra
 from .worker import END, Job, QueueFull, Worker
@@ -60,16 +60,6 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             # an empty key would turn authentication off without a word
             raise SpeceeError("the API key is empty: give a key, or None to serve without one")
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error(status: int, message: str, **kw) -> JSONResponse:
-    headers = kw.pop("headers", None)
-    return JSONResponse(error_body(message, **kw), status_code=status, headers=headers)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}

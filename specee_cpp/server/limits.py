@@ -15,16 +15,10 @@ import asyncio
 import hmac
 import time
 
-from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import BODY_READ_S, HEADER_READ_S, MAX_BODY_BYTES
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error",
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": code}}, status_code=status)
+from .errors import error
 
 
 class Gate:
@@ -42,7 +36,7 @@ class Gate:
         headers = dict(scope["headers"])
         if self.expected is not None and not hmac.compare_digest(
                 headers.get(b"authorization", b""), self.expected):
-            return await _error(401, "missing or wrong API key (send 'Authorization: Bearer "
+            return await error(401, "missing or wrong API key (send 'Authorization: Bearer "
                                      "KEY')", kind="authentication_error",
                                 code="invalid_api_key")(scope, receive, send)
         length = headers.get(b"content-length", b"")
@@ -53,7 +47,7 @@ class Gate:
             try:
                 message = await asyncio.wait_for(receive(), max(end - time.monotonic(), 0))
             except asyncio.TimeoutError:
-                return await _error(408, f"the request body did not arrive within "
+                return await error(408, f"the request body did not arrive within "
                                          f"{self.read_s:g} s")(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return None
@@ -73,9 +67,9 @@ class Gate:
 
         return await self.app(scope, replay, send)
 
-    def _too_large(self, n: int, read: bool = False) -> JSONResponse:
+    def _too_large(self, n: int, read: bool = False):
         what = f"more than {n} bytes so far" if read else f"{n} bytes"
-        return _error(413, f"request body of {what}; the limit is {self.max_bytes} bytes")
+        return error(413, f"request body of {what}; the limit is {self.max_bytes} bytes")
 
 
 class H11WithDeadline(H11Protocol):
