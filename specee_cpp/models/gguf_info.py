@@ -20,6 +20,7 @@ from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFReader
                   LlamaFileType)
 
 from ..errors import ModelFileError
+from .registry import require_file
 
 # The format's ids and widths are gguf's (the package llama.cpp ships); only the walk over
 # the header is ours: gguf.GGUFReader parses every tensor and token entry into numpy views
@@ -305,10 +306,7 @@ def _check_vocab(kv: dict, arch: str, n_vocab: int, tensors: dict, path: Path) -
 def read_gguf_info(path: str | Path) -> GGUFInfo:
     """Validate ``path`` as a complete GGUF file and return its header facts."""
     path = Path(path)
-    if path.is_dir():
-        raise ModelFileError(f"{path} is a directory; give the .gguf file inside it")
-    if not path.is_file():
-        raise ModelFileError(f"model file not found: {path}")
+    require_file(path)
     size = path.stat().st_size
     try:
         fh = open(path, "rb")

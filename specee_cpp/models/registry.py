@@ -126,6 +126,14 @@ def looks_like_path(ref: str) -> bool:
     return ref.endswith(".gguf") or "/" in ref or "\\" in ref or Path(ref).exists()
 
 
+def require_file(path: Path) -> None:
+    """``path`` is a file that exists, or one line saying what it is instead."""
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory; give the .gguf file inside it")
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}")
+
+
 def resolve_model(ref: str | Path, registry: Registry | None = None) -> Path:
     """Turn a registry name or a path into the path of a GGUF file that exists.
 
@@ -134,10 +142,7 @@ def resolve_model(ref: str | Path, registry: Registry | None = None) -> Path:
     ref_s = str(ref)
     if isinstance(ref, Path) or looks_like_path(ref_s):
         path = Path(ref_s).expanduser()
-        if path.is_dir():
-            raise ModelFileError(f"{path} is a directory; give the .gguf file inside it")
-        if not path.is_file():
-            raise ModelFileError(f"model file not found: {path}")
+        require_file(path)
         return path
     entry = (registry or load_registry()).get(ref_s)
     if not entry.local_path.is_file():
