@@ -8,10 +8,10 @@ from __future__ import annotations
 from .errors import SpeceeError
 
 
-def checked(text: str, what: str = "text") -> str:
-    """``text`` itself if it encodes as UTF-8; else one line naming ``what`` and where."""
+def utf8(text: str, what: str = "text") -> bytes:
+    """``text`` encoded as UTF-8; where it cannot be, one line naming ``what`` and where."""
     try:
-        text.encode("utf-8")
+        return text.encode("utf-8")
     except UnicodeEncodeError as e:
         code = ord(text[e.start])
         if 0xDC80 <= code <= 0xDCFF:   # a byte that did not decode, carried by surrogateescape
@@ -19,4 +19,9 @@ def checked(text: str, what: str = "text") -> str:
         else:
             why = f"U+{code:04X} is a lone surrogate, not a character"
         raise SpeceeError(f"{what} is not valid text: {why} (at character {e.start})") from None
+
+
+def checked(text: str, what: str = "text") -> str:
+    """``text`` itself if it encodes as UTF-8 (``utf8``'s error otherwise)."""
+    utf8(text, what)
     return text

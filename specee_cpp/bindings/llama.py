@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import (ContextOverflowError, DecodeError, ModelFileError, SpeceeError,
                       UnsupportedArchitectureError)
 from ..models.gguf_info import GGUFInfo, read_gguf_info
-from ..text import checked
+from ..text import utf8
 from . import _ffi
 from ._ffi import ll
 
@@ -210,7 +210,7 @@ class Model:
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = False) -> list[int]:
-        data = checked(text).encode("utf-8")
+        data = utf8(text)   # refused with the position where it is not text
         n_max = len(data) + 8
         buf = (ll.llama_token * n_max)()
         n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
