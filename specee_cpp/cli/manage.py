@@ -77,8 +77,7 @@ def models() -> None:
     for name, (t, d) in reg.pairs.items():
         out.print(f"pair [bold]{name}[/bold]: target {t}, draft {d}")
     folders = {e.local_path.parent for e in reg.models.values()}
-    n, size = (sum(x) for x in zip(*(unfinished_work(f) for f in folders))) if folders \
-        else (0, 0)
+    n, size = unfinished_work(*folders)
     if n:
         out.print(f"[yellow]{n} unfinished download folder{'s' if n > 1 else ''} (.pull-*, "
                   f"{size / 2**20:.0f} MiB)[/yellow] in {', '.join(map(str, folders))}: the "

@@ -112,10 +112,11 @@ def clean_stale_work(models: Path) -> list[Path]:
     return removed
 
 
-def unfinished_work(models: Path) -> tuple[int, int]:
-    """The ``.pull-*`` folders of pulls that did not finish (or run now): how many, bytes."""
+def unfinished_work(*models: Path) -> tuple[int, int]:
+    """The ``.pull-*`` folders of pulls that did not finish (or run now) in these model
+    folders: how many, bytes."""
     n = size = 0
-    for d in models.glob(".pull-*"):
+    for d in (d for m in models for d in m.glob(".pull-*")):
         if d.is_dir():
             n += 1
             size += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
