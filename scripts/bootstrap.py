@@ -73,7 +73,7 @@ def ensure_probe(py: Path) -> None:
     that crashes on this CPU stops set-up here, with one line, not at the user's first
     prompt. Repeated only when the install or the AMX switch changes."""
     install = VENV / ".specee-cpp-installed"
-    key = (install.read_text() if install.exists() else "") + os.environ.get("GGML_CPU_NO_AMX", "")
+    key = (install.read_text() if install.exists() else "") + os.environ.get("SPECEE_CPP_AMX", "")
     stamp = VENV / ".specee-cpp-probed"
     if stamp.exists() and stamp.read_text() == key:
         return

@@ -9,7 +9,7 @@ patch 0003, the compiler barrier without which GCC 12 drops the stores of ggml's
 configuration (docs/kernels.md). A stock build dies with SIGILL in its first AMX matrix
 multiply on an AMX CPU (seen on a 2-core Xeon with AMX: `tinygemm_kernel_amx`, exit -4),
 so no peer would run there; the barrier emits no instruction and changes no result, and
-its switch (``GGML_CPU_NO_AMX``) does nothing unless set. Every binary is checked like the
+its switch (``SPECEE_CPP_AMX=0``) does nothing unless set. Every binary is checked like the
 wheel (check_amx_codegen.py). Statically linked, with ``CMAKE_ARGS`` passed through (e.g.
 ``-DGGML_CUDA=ON``). Cached under ``<home>/tools/<key>/``; the key hashes the version, this
 script, the patch, the CMake options and the platform. Prints the directory holding the

@@ -152,6 +152,37 @@ def apply_patches(vendor: Path, patches: list[Path]) -> None:
         log(f"applied {p.name}")
 
 
+def patched_tree(dest: Path, patches: list[Path] | None = None) -> Path:
+    """The pinned llama.cpp sources with the series applied, under ``dest`` (its path
+    returned): what the wheel compiles, for checks that compile parts of it themselves."""
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(fetch_sdist(home_dir() / "sdist")) as tar:
+        tar.extractall(dest, members=[m for m in tar.getmembers()
+                                      if m.name.startswith(prefix)])
+    vendor = dest / prefix
+    apply_patches(vendor, patch_files() if patches is None else patches)
+    return vendor
+
+
+def check_tree(tree: Path) -> list[str]:
+    """Whether the series applies, in order, to the llama.cpp checkout at ``tree`` (say, a
+    newer upstream to rebase onto), without building and without touching it: each patch's
+    name, then "applies" or why not. Patches after the first that fails are checked against
+    the tree as far as it got."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "llama.cpp"
+        shutil.copytree(tree, work, ignore=shutil.ignore_patterns(".git", "build*"))
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(work.parent))
+        for p in patch_files():
+            r = subprocess.run(["git", "apply", str(p)],
+                               cwd=work, env=env, capture_output=True, text=True)
+            why = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+            out.append(f"{p.name}: " + ("applies" if r.returncode == 0 else
+                                        "does not apply: " + "; ".join(why[:3])))
+    return out
+
+
 def stamp_version(src: Path, key: str) -> None:
     """Give the wheel a local version label so `pip list` and `doctor` show the build."""
     init = src / "llama_cpp" / "__init__.py"
@@ -261,7 +292,18 @@ def main() -> int:
     ap.add_argument("--key", action="store_true", help="print the cache key and exit")
     ap.add_argument("--stock", action="store_true",
                     help="build without patches (the baseline for benchmarks)")
+    ap.add_argument("--check-tree", type=Path, metavar="DIR",
+                    help="check that the patches apply to the llama.cpp checkout DIR, in "
+                         "order, without building (DIR is not changed)")
     ns = ap.parse_args()
+    if ns.check_tree:
+        if not (ns.check_tree / "ggml").is_dir():
+            print(f"error: {ns.check_tree} is not a llama.cpp checkout (no ggml/)",
+                  file=sys.stderr)
+            return 1
+        lines = check_tree(ns.check_tree)
+        print("\n".join(lines))
+        return 0 if all(line.endswith(": applies") for line in lines) else 1
     if ns.key:
         print(cache_key([] if ns.stock else patch_files(), cmake_args()))
         return 0

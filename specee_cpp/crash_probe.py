@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .provenance import NO_AMX_ENV, amx_switched_off
+from .provenance import AMX_ENV, amx_switched_off
 
 PROBE_TIMEOUT_S = 300
 # Test hook: the child faults on purpose (SIGSEGV through a NULL read) after loading libllama,
@@ -71,11 +71,11 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> ProbeResult:
            f"of a tiny Q4_0 model"
     if not amx_switched_off() and FAULT_ENV not in env:
         try:
-            again = _run_child(dict(env, **{NO_AMX_ENV: "1"}), timeout)
+            again = _run_child(dict(env, **{AMX_ENV: "0"}), timeout)
         except subprocess.TimeoutExpired:
             again = None
         if again is not None and again.returncode == 0:
-            return ProbeResult(False, f"{died}; it works with AMX off: set {NO_AMX_ENV}=1, or "
+            return ProbeResult(False, f"{died}; it works with AMX off: set {AMX_ENV}=0, or "
                                       f"rebuild with CMAKE_ARGS=-DGGML_NATIVE=OFF", r.returncode)
     return ProbeResult(False, f"{died}; rebuild for a generic CPU with "
                               f"CMAKE_ARGS=-DGGML_NATIVE=OFF (python scripts/build_wheel.py "

@@ -8,10 +8,7 @@ from .errors import SpeceeError
 from .models.pull import is_verified
 from .models.registry import load_registry
 from .paths import home
-from .provenance import (AMX_FUSED_ENV, AMX_ROWS_DEFAULT, AMX_ROWS_ENV, NO_AMX_ENV,
-                         PREFETCH_ENV, Q6K_FUSED_DEFAULT, Q6K_FUSED_ENV, REPACK_FUSED_ENV,
-                         amx_fused_override, amx_rows_override, amx_switched_off, prefetch_set,
-                         q6k_fused_override, repack_fused_default, repack_fused_override)
+from .provenance import AMX_ENV, SWITCH_ENV, amx_switched_off, switch_set
 
 
 def cpu_has_amx() -> bool:
@@ -29,58 +26,50 @@ def amx_state(system_info: str) -> str:
         return ("not compiled in (this CPU has AMX: a native build on it uses AMX)"
                 if cpu_has_amx() else "not compiled in (this CPU has no AMX)")
     if amx_switched_off():
-        return f"compiled in, off ({NO_AMX_ENV} / --no-amx)"
-    rows, fused = amx_rows_override(), amx_fused_override()
-    together = ("every batch" if fused is None else "none" if fused < 2
-                else f"batches of up to {fused} rows")
-    together = (f"Q4_K/Q6_K weights: {together} several rows at once, patch 0010 "
-                f"({AMX_FUSED_ENV}=0: off)")
-    batches = (f"other types: batches of up to {rows} rows row by row ({AMX_ROWS_ENV})"
-               if rows is not None
-               else f"other types: batches of 2-{AMX_ROWS_DEFAULT} rows row by row, patch 0009 "
-                    f"({AMX_ROWS_ENV}=1: upstream)")
-    return f"compiled in, on (turn off with --no-amx or {NO_AMX_ENV}=1); {together}; {batches}"
+        return f"compiled in, off ({AMX_ENV}=0 / --no-amx)"
+    return f"compiled in, on (turn off with --no-amx or {AMX_ENV}=0)"
 
 
-def repack_state(system_info: str) -> str:
-    """How x86 kernels without AMX take a batch of a few rows: repacked Q4_K (patch 0011;
-    its AVX2 kernel is patch 0016's where the build lacks AVX-512 VNNI, patch 0018's two-strip
-    kernel, for every batch, where it has it) and Q6_K (patch 0012;
-    in 512-bit steps in AVX-512 builds, patch 0017, one-row dot included; its scale sums by
-    VNNI and small row counts unrolled, patch 0019)."""
-    if "AVX2 = 1" not in system_info:
-        return "not used (no x86 AVX2 kernels in this build)"
+# what each row-limit switch's kernels take, and the patches that make them
+ROW_SWITCHES = {
+    "AMX_ROWS": "AMX, types without a multi-row kernel: row by row (0009)",
+    "AMX_FUSED_ROWS": "AMX, Q4_K/Q6_K: rows together (0010)",
+    "REPACK_ROWS": "repacked Q4_K: rows together (0011, 0016, 0018; IQ4_NL/Q4_0 2-3 rows: 0020)",
+    "Q6_K_ROWS": "Q6_K: each weight row against the rows (0012, 0017, 0019)",
+    "ATTN_ROWS": "flash attention: one-token decodes and batches row by row, one pass (0021)",
+    "DOT_ROWS": "Q2_K/Q3_K/Q5_K/IQ types: the one-row dot per pair, not the tiled matmul (0021)",
+}
 
-    def rows(override: int | None, default: int | None, patch: str, env: str) -> str:
-        limit = default if override is None else override   # None: no limit
-        if limit is not None and limit < 2:
-            how = "upstream's kernels (none several rows at once)"
+
+def row_kernels(system_info: str, live) -> list[str]:
+    """One line per row-limit switch that applies to this build: the batch sizes its kernels
+    take now (``live``: name -> value), and where that came from."""
+    from .engine.prompt_kernels import EVERY_BATCH, PROMPT_SWITCHES, measured
+
+    amx = "AMX_INT8 = 1" in system_info and not amx_switched_off()
+    names = ([] if "AVX2 = 1" not in system_info else ["AMX_ROWS", "AMX_FUSED_ROWS"] if amx
+             else (["REPACK_ROWS"] if "REPACK = 1" in system_info else []) + ["Q6_K_ROWS"])
+    names += ["ATTN_ROWS", "DOT_ROWS"]   # every CPU
+    seen = measured()
+    lines = []
+    for name in names:
+        value = live(name)
+        if value is None:
+            lines.append(f"{name}: not in this build (patch 0021 missing)")
+            continue
+        span = ("off: upstream's kernels" if value < 2 else
+                "every batch" if value >= EVERY_BATCH else f"batches of 2-{value} rows")
+        if switch_set(name) is not None:
+            source = f"set by hand ({SWITCH_ENV.format(name)})"
         else:
-            span = "2 rows or more" if limit is None else f"2-{limit} rows"
-            how = f"batches of {span} several rows at once, patch {patch}"
-        return f"{how} ({env}=0: upstream)"
-
-    # the switch is named only where its kernel is in the build
-    vnni = "AVX512_VNNI = 1" in system_info
-    q4k_default = repack_fused_default("AVX512 = 1" in system_info, vnni)
-    q4k_patch = ("0011 with 0018's two-strip AVX-512 kernel" if vnni
-                 else "0011 with 0016's AVX2 kernel")
-    override = repack_fused_override()
-    q4k = (rows(override, q4k_default, q4k_patch, REPACK_FUSED_ENV)
-           if "REPACK = 1" in system_info else "not repacked in this build")
-    # ggml's system info names AVX512 (F) alone; every CPU with it that llama.cpp builds for
-    # also has the BW subset patch 0017's kernel is compiled with
-    q6k_patch = ("0012 with 0017's AVX-512 kernel" + (", 0019's VNNI sums" if vnni else "")
-                 if "AVX512 = 1" in system_info else "0012")
-    q6k = rows(q6k_fused_override(), Q6K_FUSED_DEFAULT, q6k_patch, Q6K_FUSED_ENV)
-    amx = (" (AMX on: the AMX buffer takes Q4_K and Q6_K, patch 0010; this applies with "
-           "--no-amx)" if "AMX_INT8 = 1" in system_info and not amx_switched_off() else "")
-    # patch 0020: a draft's repacked IQ4_NL / Q4_0 weights, 2-3 rows (its catch-ups) at once,
-    # under the same switch (its C side takes at most 3 rows whatever the limit)
-    small = (rows(None if override is None else min(override, 3), 3, "0020", REPACK_FUSED_ENV)
-             if "REPACK = 1" in system_info else "not repacked in this build")
-    return (f"repacked Q4_K weights: {q4k}; Q6_K weights: {q6k}; repacked IQ4_NL/Q4_0 "
-            f"weights: {small}{amx}")
+            mine = [f"{model}: {'ours' if ours else 'upstream'} ({t_ours:.2f} s ours, "
+                    f"{t_up:.2f} s upstream's, a prompt batch)"
+                    for model, sw, ours, t_ours, t_up in seen if sw == name]
+            source = ("measured here for prompts: " + "; ".join(mine) if mine else
+                      "library default; prompts on upstream's kernels until measured "
+                      "(specee-cpp costs)" if name in PROMPT_SWITCHES else "library default")
+        lines.append(f"{name} ({ROW_SWITCHES[name]}): {span}, {source}")
+    return lines
 
 
 def prefetch_state(system_info: str, distance: int | None) -> str:
@@ -89,10 +78,11 @@ def prefetch_state(system_info: str, distance: int | None) -> str:
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
     if distance is None:
-        return "not in this build (patch 0015 missing)"
-    if prefetch_set() is not None:
+        return "not in this build (patches 0015 and 0021 missing)"
+    if switch_set("READ_AHEAD") is not None:
         return (f"{'off' if distance <= 0 else f'{distance} bytes ahead'}, set by hand "
-                f"({PREFETCH_ENV}); unset it to use this machine's measurement")
+                f"({SWITCH_ENV.format('READ_AHEAD')}); unset it to use this machine's "
+                f"measurement")
     from .engine.read_ahead import measured
 
     seen = measured()
@@ -107,7 +97,7 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
     rows: list[tuple[str, str]] = []
     ok = True
     try:
-        from .bindings import cpu_prefetch_bytes, library_info
+        from .bindings import kernel_switch, library_info
 
         info = library_info()
         rows += [
@@ -118,8 +108,9 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
              "not in this build (rebuild with CMAKE_ARGS=-DGGML_CUDA=on, or Metal on macOS)"),
             ("CPU features", info["system_info"]),
             ("AMX", amx_state(info["system_info"])),
-            ("CPU repack", repack_state(info["system_info"])),
-            ("weight prefetch", prefetch_state(info["system_info"], cpu_prefetch_bytes())),
+            *(("row kernels", line) for line in row_kernels(info["system_info"], kernel_switch)),
+            ("weight read-ahead", prefetch_state(info["system_info"],
+                                                 kernel_switch("READ_AHEAD"))),
             ("huge pages", memory.describe()),
         ]
         from .crash_probe import run_probe

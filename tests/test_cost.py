@@ -1,10 +1,16 @@
 """The speculative cost model: expected speed formula, gamma choice, caching."""
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 
 from specee_cpp.config import LoadConfig
 from specee_cpp import provenance
+from specee_cpp.bindings import kernel_switch, set_kernel_switch
+from specee_cpp.errors import SpeceeError
 from specee_cpp.engine import draft_attention as attention
 from specee_cpp.speculative import cost
 from specee_cpp.speculative.mode import SpecOptions, cost_model
@@ -140,15 +146,17 @@ def test_cost_model_records_its_machine(tmp_path, monkeypatch):
     # another build on the same CPU is another machine for the cache
     other = dict(m.machine, build="other")
     assert provenance.machine_id(other) != provenance.machine_id(m.machine)
-    # the target's read-ahead measured off here: its tables are not those measured with it on
-    monkeypatch.delenv(provenance.PREFETCH_ENV, raising=False)
+    # the kernel choices measured for the target are part of the key: a table priced with
+    # the read-ahead on is not one priced with it off
+    monkeypatch.delenv(provenance.SWITCH_ENV.format("READ_AHEAD"), raising=False)
     keys = {}
     for distance in (0, 4608):
         with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
             llm.read_ahead = (distance, "as if measured")
             keys[distance] = cost_model(llm)
-    assert keys[0].machine["prefetch"] == "read-ahead off (measured)"
-    assert "prefetch" not in keys[4608].machine and keys[0].key != keys[4608].key
+    assert keys[0].machine["kernels"].startswith("READ_AHEAD=0")
+    assert keys[4608].machine["kernels"].startswith("READ_AHEAD=4608")
+    assert keys[0].key != keys[4608].key
 
 
 class _Clocked:
@@ -263,119 +271,127 @@ def test_cache_writes_are_whole_or_absent(tmp_path, monkeypatch):
     assert path.read_text() == "new text"
 
 
-def test_an_amx_row_limit_set_by_hand_is_another_machine(monkeypatch):
-    # patch 0009's GGML_AMX_VNNI_ROWS and 0010's GGML_AMX_VNNI_FUSED_ROWS move small
-    # batches' cost: tables measured under another limit must not be reused (the default,
-    # set or not, is the same machine)
-    from specee_cpp.doctor import amx_state
-
-    monkeypatch.delenv(provenance.AMX_ROWS_ENV, raising=False)
-    assert provenance._amx_on() == "on"
-    monkeypatch.setenv(provenance.AMX_ROWS_ENV, "4")
-    assert provenance._amx_on() == "on"
-    monkeypatch.setenv(provenance.AMX_ROWS_ENV, "1")
-    assert provenance._amx_on() == "on, GGML_AMX_VNNI_ROWS=1"
-    assert "up to 1 rows" in amx_state("AMX_INT8 = 1")
-    monkeypatch.setenv(provenance.AMX_ROWS_ENV, "x")
-    assert provenance._amx_on() == "on"
-    # patch 0010's limit on K-quant rows together: read as the C reads it (leading digits)
-    monkeypatch.delenv(provenance.AMX_ROWS_ENV)
-    monkeypatch.setenv(provenance.AMX_FUSED_ENV, "0")
-    assert provenance._amx_on() == "on, GGML_AMX_VNNI_FUSED_ROWS=0"
-    assert "Q4_K/Q6_K weights: none several rows at once" in amx_state("AMX_INT8 = 1")
-    monkeypatch.setenv(provenance.AMX_FUSED_ENV, "8rows")
-    assert provenance._amx_on() == "on, GGML_AMX_VNNI_FUSED_ROWS=8"
-    monkeypatch.setenv(provenance.AMX_FUSED_ENV, "x")
-    assert provenance._amx_on() == "on"
-    assert "every batch several rows at once" in amx_state("AMX_INT8 = 1")
+ROW_SWITCHES = ("AMX_ROWS", "AMX_FUSED_ROWS", "REPACK_ROWS", "Q6_K_ROWS", "ATTN_ROWS",
+                "DOT_ROWS")
 
 
-def test_an_x86_row_limit_set_by_hand_is_another_machine(monkeypatch):
-    # patch 0011's GGML_REPACK_FUSED_ROWS and 0012's GGML_Q6_K_FUSED_ROWS move the price of
-    # verifying a few tokens on x86 without AMX: a limit other than the default is another
-    # machine, read as the C reads it
-    from specee_cpp.doctor import repack_state
-
-    info = "AVX2 = 1 | REPACK = 1"
-    monkeypatch.delenv(provenance.REPACK_FUSED_ENV, raising=False)
-    monkeypatch.delenv(provenance.Q6K_FUSED_ENV, raising=False)
+def test_a_kernel_switch_set_by_hand_is_another_machine(monkeypatch):
+    # a row limit moves the price of verifying a few tokens by up to a third, the read-ahead
+    # a plain token by 8-19%: set by hand (read as the library reads it: the leading digits
+    # of a value that starts with one) a switch is part of the machine, unset it is not
+    for name in ("READ_AHEAD",) + ROW_SWITCHES:
+        monkeypatch.delenv(provenance.SWITCH_ENV.format(name), raising=False)
     base = provenance.machine(2)
-    assert "rows" not in base
-    # Q4_K's default is every batch with AVX2 alone, 15 rows where AVX-512's gemm takes 16
-    assert "Q4_K weights: batches of 2 rows or more" in repack_state(info)
-    avx512_info = "AVX2 = 1 | AVX512 = 1 | REPACK = 1"
-    assert "Q4_K weights: batches of 2-15 rows" in repack_state(avx512_info)
-    # AVX2 builds take patch 0016's kernel for those rows, AVX-512 VNNI ones patch 0018's,
-    # which beats the 16-row gemm at every size: every batch
-    assert "patch 0011 with 0016's AVX2 kernel" in repack_state(info)
-    vnni_info = avx512_info.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1")
-    assert "patch 0011 with 0018's two-strip AVX-512 kernel (" in repack_state(vnni_info)
-    assert "Q4_K weights: batches of 2 rows or more" in repack_state(vnni_info)
-    assert "Q6_K weights: batches of 2-16 rows" in repack_state(info)
-    # and their Q6_K kernel (one-row dot included) is patch 0017's 512-bit one
-    assert "patch 0012 (" in repack_state(info)
-    assert "patch 0012 with 0017's AVX-512 kernel (" in repack_state(avx512_info)
-    # with VNNI its scale sums are patch 0019's
-    assert "patch 0012 with 0017's AVX-512 kernel, 0019's VNNI sums (" in repack_state(vnni_info)
-    # a draft's repacked IQ4_NL/Q4_0: 2-3 rows at once (patch 0020), under the same switch
-    assert "IQ4_NL/Q4_0 weights: batches of 2-3 rows several rows at once, patch 0020" \
-        in repack_state(info)
-    feats = provenance._library()[0].split()
-    limited = "AVX512" in feats and "AVX512_VNNI" not in feats   # the C default is 15 there
-    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "15")
-    assert (provenance.machine(2) == base) == limited
-    with monkeypatch.context() as m:
-        m.setattr(provenance, "_library", lambda: ("AVX2 AVX512", "b"))
-        assert provenance.repack_fused_override() is None
-        m.setattr(provenance, "_library", lambda: ("AVX2 AVX512 AVX512_VNNI", "b"))
-        assert provenance.repack_fused_override() == 15
-        m.setattr(provenance, "_library", lambda: ("AVX2", "b"))
-        assert provenance.repack_fused_override() == 15
-    monkeypatch.delenv(provenance.REPACK_FUSED_ENV)
-    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "16")
-    assert provenance.machine(2) == base
-    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "0")
-    off = provenance.machine(2)
-    assert off["rows"] == "GGML_REPACK_FUSED_ROWS=0"
-    assert provenance.machine_id(off) != provenance.machine_id(base)
-    assert "GGML_REPACK_FUSED_ROWS=0" in provenance.describe(off)
-    assert "Q4_K weights: upstream's kernels" in repack_state(info)
-    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "1")
-    both = provenance.machine(2)
-    assert both["rows"] == "GGML_REPACK_FUSED_ROWS=0, GGML_Q6_K_FUSED_ROWS=1"
-    assert provenance.machine_id(both) != provenance.machine_id(off)
-    assert "Q6_K weights: upstream's kernels" in repack_state(info)
-    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "8rows")
-    monkeypatch.setenv(provenance.Q6K_FUSED_ENV, "x")
-    assert provenance.machine(2)["rows"] == "GGML_REPACK_FUSED_ROWS=8"
-    assert "Q4_K weights: batches of 2-8 rows" in repack_state(info)
-    monkeypatch.setenv(provenance.REPACK_FUSED_ENV, "x")
-    assert provenance.machine(2) == base
-    assert "Q4_K weights: not repacked" in repack_state("AVX2 = 1 | REPACK = 0")
-    assert repack_state("NEON = 1").startswith("not used")
+    assert "switches" not in base
+    for name in ("READ_AHEAD",) + ROW_SWITCHES:
+        env = provenance.SWITCH_ENV.format(name)
+        for raw, read in (("0", 0), ("8rows", 8), ("64", 64), ("x", None), ("-1", None),
+                          (" 8", None)):
+            monkeypatch.setenv(env, raw)
+            assert provenance.switch_set(name) == read, (name, raw)
+            m = provenance.machine(2)
+            if read is None:
+                assert m == base
+            else:
+                assert m["switches"] == f"{name}={read}"
+                assert provenance.machine_id(m) != provenance.machine_id(base)
+                assert f"{name}={read}" in provenance.describe(m)
+        monkeypatch.delenv(env)
+    monkeypatch.setenv("SPECEE_CPP_Q6_K_ROWS", "1")
+    monkeypatch.setenv("SPECEE_CPP_REPACK_ROWS", "0")
+    assert provenance.machine(2)["switches"] == "REPACK_ROWS=0, Q6_K_ROWS=1"
+    # AMX is the machine's own fact: on, off (--no-amx) or absent
+    monkeypatch.setenv(provenance.AMX_ENV, "0")
+    assert provenance.amx_switched_off()
+    monkeypatch.setenv(provenance.AMX_ENV, "1")
+    assert not provenance.amx_switched_off()
 
 
-def test_a_weight_prefetch_set_by_hand_is_another_machine(monkeypatch):
-    # patch 0015's GGML_CPU_PREFETCH moves a plain token by 8-19% on the AVX2 EPYC: set by
-    # hand it is part of the machine (read as the C's atoll reads it), unset it is not
-    from specee_cpp.doctor import prefetch_state
+def read_switches(env: dict) -> dict:
+    """The switches as a fresh process's library starts with them under ``env``."""
+    code = ("import json; from specee_cpp.bindings import KERNEL_SWITCHES, kernel_switch; "
+            "print(json.dumps({n: kernel_switch(n) for n in KERNEL_SWITCHES}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
 
-    monkeypatch.delenv(provenance.PREFETCH_ENV, raising=False)
-    base = provenance.machine(2)
-    assert "prefetch" not in base and provenance.prefetch_set() is None
-    monkeypatch.setenv(provenance.PREFETCH_ENV, "0")
-    off = provenance.machine(2)
-    assert off["prefetch"] == "GGML_CPU_PREFETCH=0"
-    assert provenance.machine_id(off) != provenance.machine_id(base)
-    assert "GGML_CPU_PREFETCH=0" in provenance.describe(off)
-    for raw, read in (("8192", 8192), (" 9000x", 9000), ("-64", 0), ("x", 0), ("+128", 128)):
-        monkeypatch.setenv(provenance.PREFETCH_ENV, raw)
-        assert provenance.prefetch_set() == read, raw
-    monkeypatch.setenv(provenance.PREFETCH_ENV, "4608")
+
+def test_the_library_reads_its_switches_as_the_package_does():
+    from specee_cpp.config import LONG_BATCHES
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEE_CPP_")}
+    if kernel_switch("READ_AHEAD") is None:
+        pytest.skip("no kernel switches in this library")
+    start = read_switches(env)
+    # every batch a verification takes (drafts from the context reach max(LONG_BATCHES)
+    # rows) is on the row kernels, whose rows equal one-token decodes bit for bit; the
+    # read-ahead is off until measured; AMX, where compiled in, is on
+    assert all(start[n] >= max(LONG_BATCHES) for n in ("AMX_FUSED_ROWS", "REPACK_ROWS",
+                                                       "Q6_K_ROWS", "ATTN_ROWS",
+                                                       "DOT_ROWS")), start
+    assert start["READ_AHEAD"] == 0 and start["AMX"] == 1 and start["AMX_ROWS"] >= 1
+    hand = {"SPECEE_CPP_Q6_K_ROWS": "8rows", "SPECEE_CPP_REPACK_ROWS": "x",
+            "SPECEE_CPP_READ_AHEAD": "1024", "SPECEE_CPP_AMX": "0", "SPECEE_CPP_AMX_ROWS": "-3"}
+    got = read_switches(dict(env, **hand))
+    for name in ("Q6_K_ROWS", "REPACK_ROWS", "READ_AHEAD", "AMX", "AMX_ROWS"):
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv(provenance.SWITCH_ENV.format(name), hand[f"SPECEE_CPP_{name}"])
+            want = provenance.switch_set(name)
+        assert got[name] == (start[name] if want is None else want), (name, got, start)
+
+
+def test_kernel_switches_refuse_unknown_names_and_negative_values():
+    if kernel_switch("READ_AHEAD") is None:
+        pytest.skip("no kernel switches in this library")
+    with pytest.raises(SpeceeError, match="unknown kernel switch 'PREFETCH'"):
+        kernel_switch("PREFETCH")
+    with pytest.raises(SpeceeError, match="-1 is not a value"):
+        set_kernel_switch("Q6_K_ROWS", -1)
+    before = kernel_switch("Q6_K_ROWS")
+    try:
+        set_kernel_switch("Q6_K_ROWS", 5)
+        assert kernel_switch("Q6_K_ROWS") == 5
+    finally:
+        set_kernel_switch("Q6_K_ROWS", before)
+
+
+def test_doctor_says_what_each_row_kernel_takes_and_where_that_came_from(monkeypatch,
+                                                                          tmp_path):
+    from specee_cpp.doctor import amx_state, prefetch_state, row_kernels
+    from specee_cpp.engine.prompt_kernels import EVERY_BATCH
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    for name in ("READ_AHEAD", "AMX") + ROW_SWITCHES:
+        monkeypatch.delenv(provenance.SWITCH_ENV.format(name), raising=False)
+    live = {"AMX_ROWS": 4, "AMX_FUSED_ROWS": 64, "REPACK_ROWS": 64, "Q6_K_ROWS": 64,
+            "ATTN_ROWS": 64, "DOT_ROWS": 64}.get
+    x86 = row_kernels("AVX2 = 1 | REPACK = 1", live)
+    assert [line.split(" ")[0] for line in x86] == ["REPACK_ROWS", "Q6_K_ROWS", "ATTN_ROWS",
+                                                    "DOT_ROWS"]
+    assert all("batches of 2-64 rows, library default" in line for line in x86)
+    assert "until measured" in x86[0] and "until measured" not in x86[2]
+    amx = row_kernels("AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", live)
+    assert [line.split(" ")[0] for line in amx] == ["AMX_ROWS", "AMX_FUSED_ROWS", "ATTN_ROWS",
+                                                    "DOT_ROWS"]
+    assert "batches of 2-4 rows" in amx[0]
+    monkeypatch.setenv("SPECEE_CPP_Q6_K_ROWS", "0")
+    q6k = row_kernels("AVX2 = 1", {"Q6_K_ROWS": 0}.get)
+    assert "off: upstream's kernels, set by hand (SPECEE_CPP_Q6_K_ROWS)" in q6k[0]
+    assert "every batch" in row_kernels("AVX2 = 1", {"Q6_K_ROWS": EVERY_BATCH}.get)[0]
+    assert "not in this build" in row_kernels("AVX2 = 1", {}.get)[0]
+    # the x86 row kernels only where the build has them; attention and the dots on every CPU
+    assert [line.split(" ")[0] for line in row_kernels("NEON = 1", live)] == ["ATTN_ROWS",
+                                                                             "DOT_ROWS"]
+    monkeypatch.setenv(provenance.AMX_ENV, "0")
+    assert "off (SPECEE_CPP_AMX=0" in amx_state("AMX_INT8 = 1")
+    # with AMX off the repacked kernels take the weights again
+    assert row_kernels("AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", live)[0].startswith("REPACK")
+    monkeypatch.setenv("SPECEE_CPP_READ_AHEAD", "4608")
     assert prefetch_state("AVX2 = 1", 4608).startswith("4608 bytes ahead, set by hand")
-    monkeypatch.setenv(provenance.PREFETCH_ENV, "0")
+    monkeypatch.setenv("SPECEE_CPP_READ_AHEAD", "0")
     assert prefetch_state("AVX2 = 1", 0).startswith("off, set by hand")
-    assert "patch 0015 missing" in prefetch_state("AVX2 = 1", None)
+    assert "missing" in prefetch_state("AVX2 = 1", None)
     assert prefetch_state("NEON = 1", 4608).startswith("not used")
 
 

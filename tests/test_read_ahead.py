@@ -1,6 +1,6 @@
 """The x86 kernels' weight read-ahead (patch 0015) is off until measured on the machine:
 the first load of a model times it on and off, keeps the faster (past a margin), caches it;
-a hand-set GGML_CPU_PREFETCH wins over both."""
+a hand-set SPECEE_CPP_READ_AHEAD wins over both."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,11 @@ import sys
 import pytest
 
 import specee_cpp
-from specee_cpp.bindings.llama import cpu_prefetch_bytes
+from specee_cpp.bindings import kernel_switch
 from specee_cpp.config import READ_AHEAD_BYTES
 from specee_cpp.engine import read_ahead
 
-pytestmark = pytest.mark.skipif(cpu_prefetch_bytes() is None,
+pytestmark = pytest.mark.skipif(kernel_switch("READ_AHEAD") is None,
                                 reason="no read-ahead in this library (x86 CPU backend)")
 
 
@@ -26,25 +26,26 @@ def test_kept_only_past_the_margin():
 
 
 def start(env: dict) -> str:
-    code = "from specee_cpp.bindings.llama import cpu_prefetch_bytes; print(cpu_prefetch_bytes())"
+    code = "from specee_cpp.bindings import kernel_switch; print(kernel_switch('READ_AHEAD'))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, env=env)
     return r.stdout.strip()
 
 
 def test_the_library_starts_with_it_off_unless_set_by_hand():
-    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_PREFETCH"}
+    env = {k: v for k, v in os.environ.items() if k != "SPECEE_CPP_READ_AHEAD"}
     assert start(env) == "0"
-    assert start(dict(env, GGML_CPU_PREFETCH="1024")) == "1024"
+    assert start(dict(env, SPECEE_CPP_READ_AHEAD="1024")) == "1024"
+    assert start(dict(env, SPECEE_CPP_READ_AHEAD="-64")) == "0"
 
 
 def test_measured_once_per_model_and_machine_then_read(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
-    monkeypatch.delenv("GGML_CPU_PREFETCH", raising=False)
+    monkeypatch.delenv("SPECEE_CPP_READ_AHEAD", raising=False)
     with specee_cpp.load(str(tiny_llama), n_ctx=128, n_threads=1) as llm:
         distance, source = llm.read_ahead
         assert source.startswith("measured on this machine now") and "ms without" in source
-        assert distance in (0, READ_AHEAD_BYTES) and cpu_prefetch_bytes() == distance
+        assert distance in (0, READ_AHEAD_BYTES) and kernel_switch("READ_AHEAD") == distance
     files = list((tmp_path / "costs").glob("read-ahead-*.json"))
     assert len(files) == 1
     with specee_cpp.load(str(tiny_llama), n_ctx=128, n_threads=1) as llm:
@@ -58,7 +59,7 @@ def test_measured_once_per_model_and_machine_then_read(tiny_llama, tmp_path, mon
 
 def test_set_by_hand_it_is_not_measured(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
-    monkeypatch.setenv("GGML_CPU_PREFETCH", "2048")
+    monkeypatch.setenv("SPECEE_CPP_READ_AHEAD", "2048")
     with specee_cpp.load(str(tiny_llama), n_ctx=128, n_threads=1) as llm:
-        assert llm.read_ahead == (2048, "GGML_CPU_PREFETCH in the environment")
+        assert llm.read_ahead == (2048, "SPECEE_CPP_READ_AHEAD in the environment")
     assert not (tmp_path / "costs").exists() or not list((tmp_path / "costs").glob("read-*"))

@@ -65,33 +65,56 @@ def system_repacks_x86() -> bool:
     return "REPACK = 1" in info and "AVX2 = 1" in info
 
 
-@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
-def test_small_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch):
-    # patch 0011 takes a batch against repacked Q4_K weights several rows at once (2-15 rows
-    # in an AVX-512 build without VNNI, any number with AVX2 alone or AVX-512 VNNI), and the
-    # 1-3 rows the 4-row gemm leaves of a longer one: each row must equal that token decoded
-    # alone (upstream's gemm differs by ~0.2 from 4 rows on). With AVX2 alone patch 0016's
-    # kernel runs them: 2-4 rows in registers, more in groups of 2-4 per block, 32 rows a
-    # pass (33 = 32 + 1, 38 = 32 + 3 + 3); with AVX-512 VNNI patch 0018's, two strips of
-    # columns at once (the tiny head's 40 strips leave 5 a chunk: the odd one takes 0011's
-    # kernel). With AMX on, the AMX buffer takes these weights: switch it off so the repack
-    # runs.
-    from specee_cpp.bindings import library_info
-    from specee_cpp.provenance import repack_fused_default
+# Every batch a verification takes, 1 to 64 rows (drafts from the context reach 64), equals
+# the same tokens decoded one at a time, bit for bit, with the library's defaults: the row
+# kernels take those batches, and attention reads each row's keys in one pass. Above 64 rows
+# (a prompt's batch) upstream's kernels round differently. The wide model's rows span 5-14
+# K-quant super-blocks, so a wrong step from one block of a row to the next shows in every
+# projection (the Q6_K rows kernel planted to read the scale of a row's third block from its
+# second: "batch of 2 vs one at a time: max |diff| 45" on the wide model, while the narrow
+# one, rows of 1-2 blocks, passes); 600 tokens of context are past the 512 keys where
+# upstream splits a one-token decode's attention over the threads (ATTN_ROWS 0: rows differ).
+EXACT = " ".join(["0"] * 64)
 
-    monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
-    monkeypatch.delenv("GGML_REPACK_FUSED_ROWS", raising=False)
-    info = library_info()["system_info"]
-    limited = repack_fused_default("AVX512 = 1" in info, "AVX512_VNNI = 1" in info) is not None
-    sizes = "2,3,4,5,9,15" + ("" if limited else ",16,33,38")
-    zeros = " ".join(["0"] * len(sizes.split(",")))
-    assert child("small_batch_rows", str(kdir), "Q4_K", sizes) == zeros
-    # a limit of 3: batches of 4 and more take the gemm and the rows it leaves go together;
-    # those rows attend to the gemm's rows, so they differ from one-at-a-time decodes as
-    # upstream's do, but by exactly as much as upstream's (its gemv row by row, limit 0)
-    monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "3")
+
+def exact_then_upstream(out: str) -> None:
+    diffs = out.split()
+    assert " ".join(diffs[:64]) == EXACT, out
+    assert len(diffs) == 70 and all(float(d) > 0 for d in diffs[64:]), out
+
+
+@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
+@pytest.mark.parametrize("context", ["8", "600"])
+def test_verification_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch,
+                                                                      context):
+    # patch 0011's framework with the kernel of the build's ISA (0016: AVX2, 32 rows a pass,
+    # so 33 = 32 + 1; 0018: AVX-512 VNNI, two strips of columns at once). With AMX on, the
+    # AMX buffer takes these weights: switch it off so the repack runs.
+    monkeypatch.setenv("SPECEE_CPP_AMX", "0")
+    exact_then_upstream(child("small_batch_rows", str(kdir), "Q4_K", "1-70", "all", "wide",
+                              context))
+
+
+@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 AVX2 kernels")
+@pytest.mark.parametrize("context", ["8", "600"])
+def test_verification_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch, context):
+    # patch 0012 (each weight row against up to 16 rows at once, a batch in groups of 16;
+    # 0017's 512-bit steps and 0019's constant row counts on AVX-512 builds)
+    monkeypatch.setenv("SPECEE_CPP_AMX", "0")
+    exact_then_upstream(child("small_batch_rows", str(kdir), "Q6_K", "1-70", "all", "wide",
+                              context))
+
+
+@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
+def test_a_lower_row_limit_leaves_the_rest_to_the_gemm(kdir, monkeypatch):
+    # REPACK_ROWS 3: batches of 4 and more take upstream's gemm and the rows it leaves go
+    # together; those rows attend to the gemm's rows, so they differ from one-at-a-time
+    # decodes as upstream's do, but by exactly as much as upstream's (its gemv row by row,
+    # REPACK_ROWS 0)
+    monkeypatch.setenv("SPECEE_CPP_AMX", "0")
+    monkeypatch.setenv("SPECEE_CPP_REPACK_ROWS", "3")
     together = child("small_batch_rows", str(kdir), "Q4_K", "2,3,6,7,11", "tail")
-    monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "0")
+    monkeypatch.setenv("SPECEE_CPP_REPACK_ROWS", "0")
     upstream = child("small_batch_rows", str(kdir), "Q4_K", "2,3,6,7,11", "tail")
     assert together == upstream and together.startswith("0 0 "), (together, upstream)
 
@@ -103,29 +126,14 @@ def test_small_batches_on_repacked_iq4_nl_and_q4_0_equal_one_row_decodes(kdir, m
     # patch 0020 takes 2-3 rows against repacked IQ4_NL / Q4_0 weights (a draft's catch-up)
     # together, one pass over the weights: each row must equal that token decoded alone.
     # Batches of 4 and more take upstream's gemm, and the 2-3 rows it leaves go together:
-    # those rows attend to the gemm's rows, so they differ from one-at-a-time decodes as
-    # upstream's do, but by exactly as much as upstream's (its gemv row by row, limit 0)
-    monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
-    monkeypatch.delenv("GGML_REPACK_FUSED_ROWS", raising=False)
+    # they differ from one-at-a-time decodes by exactly as much as upstream's rows do
+    monkeypatch.setenv("SPECEE_CPP_AMX", "0")
+    monkeypatch.delenv("SPECEE_CPP_REPACK_ROWS", raising=False)
     assert child("small_batch_rows", str(kdir), quant, "2,3") == "0 0"
     together = child("small_batch_rows", str(kdir), quant, "6,7,11", "tail")
-    monkeypatch.setenv("GGML_REPACK_FUSED_ROWS", "0")
+    monkeypatch.setenv("SPECEE_CPP_REPACK_ROWS", "0")
     upstream = child("small_batch_rows", str(kdir), quant, "6,7,11", "tail")
     assert together == upstream, (together, upstream)
-
-
-@pytest.mark.skipif("not system_repacks_x86()", reason="no x86 AVX2 kernels")
-def test_small_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch):
-    # patch 0012 runs each Q6_K weight row (not repacked on x86) against a batch's 2-16 rows
-    # at once, instead of a dot per pair (and, from 8 rows, of llama.cpp's tiled matmul,
-    # which differs by ~0.5): each row must equal that token decoded alone (with a wrong row
-    # offset: "batch of 2 ... max |diff| 18.41"). On AVX-512 builds patch 0019 gives 1-8 rows
-    # a kernel each (the count a constant) and the rest one with the count as a variable:
-    # sizes on both sides of 8
-    monkeypatch.setenv("GGML_CPU_NO_AMX", "1")
-    monkeypatch.delenv("GGML_Q6_K_FUSED_ROWS", raising=False)
-    sizes = "2,3,4,5,7,8,9,16"
-    assert child("small_batch_rows", str(kdir), "Q6_K", sizes) == " ".join(["0"] * 8)
 
 
 def q8_k_inputs():
@@ -268,27 +276,6 @@ def test_q6_k_dot_equals_the_dequantized_dot():
 @pytest.mark.parametrize("quant", QUANTS)
 def test_weight_prefetch_changes_no_result(kdir, quant):
     assert child("prefetch_changes_nothing", str(kdir), quant) == "ok"
-
-
-def test_weight_prefetch_starts_off_and_its_variable_sets_it():
-    """Patch 0015's distance as the loaded package has it at import: GGML_CPU_PREFETCH unset
-    (off until a model's measurement on the machine says otherwise: engine/read_ahead.py), 0
-    or below (off), or a number of bytes."""
-    code = "from specee_cpp.bindings import cpu_prefetch_bytes; print(cpu_prefetch_bytes())"
-
-    def read(value: str | None) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_PREFETCH"}
-        if value is not None:
-            env["GGML_CPU_PREFETCH"] = value
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=env, timeout=120)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout.strip()
-
-    assert read(None) == "0"
-    assert read("0") == "0"
-    assert read("-64") == "0"
-    assert read("8192") == "8192"
 
 
 def test_one_token_kernels_ask_for_the_weights_ahead():

@@ -5,8 +5,8 @@
 (:class:`Model`, :class:`Context`, :class:`Batch`) that turn status codes into exceptions.
 Nothing outside this package touches ctypes.
 """
-from .llama import (Batch, Context, Model, cpu_prefetch_bytes, library_file, library_info,
-                    quantize_file, set_cpu_prefetch_bytes)
+from .llama import (KERNEL_SWITCHES, Batch, Context, Model, kernel_switch, library_file,
+                    library_info, quantize_file, set_kernel_switch)
 
-__all__ = ["Batch", "Context", "Model", "cpu_prefetch_bytes", "library_file", "library_info",
-           "quantize_file", "set_cpu_prefetch_bytes"]
+__all__ = ["KERNEL_SWITCHES", "Batch", "Context", "Model", "kernel_switch", "library_file",
+           "library_info", "quantize_file", "set_kernel_switch"]

@@ -11,7 +11,7 @@ import functools
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 8
+REQUIRED_PATCH_VERSION = 9
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -146,3 +146,23 @@ llama_attach_threadpool = _bind("llama_attach_threadpool", [_ctx_p, ctypes.c_voi
 
 # void llama_detach_threadpool(struct llama_context * ctx);
 llama_detach_threadpool = _bind("llama_detach_threadpool", [_ctx_p], None)
+
+
+def _optional(name: str, argtypes: list, restype):
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+# The CPU kernel switches (ggml-cpu.h, patch 0021), reached through libllama's handle (the CPU
+# backend is one of its libraries); None where the CPU backend is loaded at run time instead.
+# bool ggml_cpu_specee_set(const char * name, int64_t value);
+ggml_cpu_specee_set = _optional("ggml_cpu_specee_set", [ctypes.c_char_p, ctypes.c_int64],
+                                ctypes.c_bool)
+# int64_t ggml_cpu_specee_get(const char * name);
+ggml_cpu_specee_get = _optional("ggml_cpu_specee_get", [ctypes.c_char_p], ctypes.c_int64)
+# void ggml_cpu_init(void): reads SPECEE_CPP_<name> for each switch, once
+ggml_cpu_init = _optional("ggml_cpu_init", [], None)

@@ -82,46 +82,44 @@ def library_file(name: str) -> Path | None:
     return beside[0] if beside else None
 
 
+# The CPU kernel switches the patches add (ggml-cpu-impl.h says what each does). Each is an
+# integer, 0 meaning off (upstream's kernel); SPECEE_CPP_<name> sets one when the library
+# starts, set_kernel_switch between decodes. The library holds the defaults.
+KERNEL_SWITCHES = ("AMX", "AMX_ROWS", "AMX_FUSED_ROWS", "REPACK_ROWS", "Q6_K_ROWS", "READ_AHEAD",
+                   "ATTN_ROWS", "DOT_ROWS")
+
+
 @functools.lru_cache(maxsize=1)
-def _cpu_prefetch_var():
-    """Patch 0015's distance in the loaded CPU backend (a ctypes int64), or None where the
-    library has no such setting (another build, or no CPU backend library beside libllama)."""
-    path = library_file("ggml-cpu")
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))       # the copy already loaded: the live setting
-        lib.ggml_cpu_init()                # reads GGML_CPU_PREFETCH once; later calls do nothing
-        return ctypes.c_int64.in_dll(lib, "ggml_cpu_prefetch_bytes")
-    except (OSError, ValueError, AttributeError):
-        return None
+def _switches() -> bool:
+    """Whether the loaded library has the switches (they are read from the environment on
+    the first call of ggml_cpu_init; a later call does nothing)."""
+    if _ffi.ggml_cpu_specee_get is None or _ffi.ggml_cpu_init is None:
+        return False
+    _ffi.ggml_cpu_init()
+    return True
 
 
-def cpu_prefetch_bytes() -> int | None:
-    """How far ahead (bytes) the x86 matmul kernels ask for the weights (patch 0015; 0: off,
-    as GGML_CPU_PREFETCH set it when the CPU backend started), or None without the patch."""
-    var = _cpu_prefetch_var()
-    return None if var is None else int(var.value)
+def _switch_name(name: str) -> bytes:
+    if name not in KERNEL_SWITCHES:
+        raise SpeceeError(f"unknown kernel switch {name!r} (known: {', '.join(KERNEL_SWITCHES)})")
+    return name.encode()
 
 
-def start_read_ahead_off() -> None:
-    """Patch 0015's read-ahead off until this machine's measurement says otherwise
-    (engine/read_ahead.py), unless GGML_CPU_PREFETCH sets it by hand."""
-    if os.environ.get("GGML_CPU_PREFETCH") is None and _cpu_prefetch_var() is not None:
-        _cpu_prefetch_var().value = 0
+def kernel_switch(name: str) -> int | None:
+    """The value the CPU kernels run with now for switch ``name`` (0: off), or None where the
+    loaded library has no such switches."""
+    key = _switch_name(name)
+    return int(_ffi.ggml_cpu_specee_get(key)) if _switches() else None
 
 
-def set_cpu_prefetch_bytes(n: int) -> None:
-    """Set patch 0015's distance for the decodes that follow (0: off), for an in-process
-    A/B of the read-ahead; raises SpeceeError without the patch."""
-    var = _cpu_prefetch_var()
-    if var is None:
-        raise SpeceeError(f"the CPU backend beside {_ffi.lib_path} has no weight prefetch "
-                          f"setting (patch 0015)")
-    var.value = max(int(n), 0)
-
-
-start_read_ahead_off()
+def set_kernel_switch(name: str, value: int) -> None:
+    """Set switch ``name`` for the decodes that follow (not while one runs: decodes here are
+    synchronous). Raises SpeceeError where the library has none or the value is negative."""
+    key = _switch_name(name)
+    if not _switches():
+        raise SpeceeError(f"the CPU backend of {_ffi.lib_path} has no kernel switches")
+    if value < 0 or not _ffi.ggml_cpu_specee_set(key, int(value)):
+        raise SpeceeError(f"kernel switch {name}: {value} is not a value (0 or more)")
 
 
 class _Handle:

@@ -27,14 +27,18 @@ _EXIT_WORDS = {"/exit", "/quit", "/bye"}
 @app.callback()
 def _global(no_amx: bool = typer.Option(
         False, "--no-amx", help="Keep weights out of llama.cpp's AMX buffer (Intel AMX CPUs); "
-                                "same as GGML_CPU_NO_AMX=1.")) -> None:
+                                "same as SPECEE_CPP_AMX=0.")) -> None:
     if no_amx:
-        # read by patched ggml-cpu when its buffer types are first listed (at model load)
+        # the environment carries it to child processes (the crash probe, benchmark runs); this
+        # process's library may have read its environment already, so it is told as well
         import os
 
-        from ..provenance import NO_AMX_ENV
+        from ..bindings import kernel_switch, set_kernel_switch
+        from ..provenance import AMX_ENV
 
-        os.environ[NO_AMX_ENV] = "1"
+        os.environ[AMX_ENV] = "0"
+        if kernel_switch("AMX") is not None:
+            set_kernel_switch("AMX", 0)
 
 
 # ---- shared options -------------------------------------------------------------------------

@@ -231,11 +231,14 @@ def costs(
         cm = cost_model_shown(llm, err.status, "measuring target batches 1..16 and draft "
                               "tokens (once, then cached)")
         bpw = llm.model.bits_per_weight
+        prompts = llm.prompt_kernels
     if chosen:
         err.print(f"NAME:auto chose: {chosen}")
     from ..provenance import describe
 
     err.print(f"measured on: {describe(cm.machine)}")
+    for name, how in prompts.items():
+        err.print(f"prompt batches, {name}: {how}")
     if cm.draft_attention:
         from ..engine.draft_attention import describe as attention
 

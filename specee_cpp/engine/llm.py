@@ -14,6 +14,7 @@ from ..text import checked
 from . import modes
 from .chat_template import ChatTemplate
 from .modes import Mode
+from .prompt_kernels import prompt_kernels
 from .read_ahead import read_ahead
 from .sequence import Sequence
 from .steps import Result, Step, Transcript, stream
@@ -139,8 +140,10 @@ class LLM:
         self.draft_flash_attn: bool | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()
-        # the x86 kernels' weight read-ahead, as measured for this model on this machine
+        # the x86 kernels' weight read-ahead, as measured for this model on this machine, and
+        # the kernels that read its prompts where measured (else upstream's)
         self.read_ahead = read_ahead(self)
+        self.prompt_kernels = prompt_kernels(self)
 
     @property
     def model(self) -> Model:

@@ -7,7 +7,7 @@ made a plain token 8-19% cheaper on the Zen 3 and Zen 5 machines it was tuned on
 9% dearer on a Zen 4 (docs/kernels.md). So the library starts with it off, upstream's
 behaviour, and the first load of a model on a machine times one-token decodes with it on
 and off, in turn (a second or two), keeps the faster, and caches the choice beside the cost
-tables. ``GGML_CPU_PREFETCH`` set by hand wins over both.
+tables. ``SPECEE_CPP_READ_AHEAD`` set by hand wins over both.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 from ..config import COST_PROMPT, READ_AHEAD_BYTES, READ_AHEAD_MARGIN
 from ..paths import home, write_text_atomic
-from .timing import time_in_turn
+from .timing import measured_here, time_in_turn
 
 VERSION = 1   # part of the cache key: a changed method measures again
 
@@ -26,10 +26,9 @@ def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
     """Median seconds of one decoded token of ``model`` with the read-ahead at ``distance``
     bytes and off, after ``tokens`` in the cache, alternating token by token (a machine
     slowing down slows both), each first in turn: {"on": s, "off": s, "distance": bytes}."""
-    from ..bindings import Batch, Context
-    from ..bindings.llama import cpu_prefetch_bytes, set_cpu_prefetch_bytes
+    from ..bindings import Batch, Context, kernel_switch, set_kernel_switch
 
-    before = cpu_prefetch_bytes()
+    before = kernel_switch("READ_AHEAD")
     n = len(tokens)
     ctx = Context(model, n_ctx=n + 8, n_batch=max(n, 1), n_threads=n_threads)
     batch = Batch(max(n, 1))
@@ -37,11 +36,11 @@ def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
         batch.set(tokens, 0)
         ctx.decode(batch)
         # one context, the setting switched before each decode; each goes first half the time
-        seen = time_in_turn({"on": (ctx, lambda: set_cpu_prefetch_bytes(distance)),
-                             "off": (ctx, lambda: set_cpu_prefetch_bytes(0))},
+        seen = time_in_turn({"on": (ctx, lambda: set_kernel_switch("READ_AHEAD", distance)),
+                             "off": (ctx, lambda: set_kernel_switch("READ_AHEAD", 0))},
                             batch, tokens, n, decodes, warmup, swap=True, clock=clock)
     finally:
-        set_cpu_prefetch_bytes(before)
+        set_kernel_switch("READ_AHEAD", before)
         ctx.close()
         batch.close()
     return {**seen, "distance": distance}
@@ -65,23 +64,12 @@ def _cache_name(model_path, where: dict) -> str:
 def measured() -> list[tuple[str, bool, float, float]]:
     """What was measured on this machine, at any thread count: (model, with its thread
     count where not the default; on?; seconds a token on; off) each."""
-    import os
-
-    from ..config import default_threads
-    from ..provenance import machine, machine_id
-
     out = []
-    for n in range(1, (os.cpu_count() or 1) + 1):
-        mid = machine_id(machine(n))
-        for f in sorted((home() / "costs").glob(f"read-ahead-*-m{mid}-v{VERSION}.json")):
-            try:
-                seen = json.loads(f.read_text(encoding="utf-8"))
-                name = f.name.split(f"-m{mid}")[0].removeprefix("read-ahead-")
-                if n != default_threads():
-                    name += f" ({n} thread{'s' if n > 1 else ''})"
-                out.append((name, choose(seen) > 0, seen["on"], seen["off"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+    for name, seen in measured_here("read-ahead", VERSION):
+        try:
+            out.append((name, choose(seen) > 0, seen["on"], seen["off"]))
+        except (KeyError, TypeError):
+            continue
     return out
 
 
@@ -109,17 +97,17 @@ def read_ahead(llm) -> tuple[int | None, str]:
     target (made now if there is none, then cached): (distance in bytes, where it came
     from). (None, why) where the library has no read-ahead, (the value, why) where the
     environment sets it (then machine() records it, and nothing is measured)."""
-    from ..bindings.llama import cpu_prefetch_bytes, set_cpu_prefetch_bytes
-    from ..provenance import PREFETCH_ENV, prefetch_set
+    from ..bindings import kernel_switch, set_kernel_switch
+    from ..provenance import SWITCH_ENV, switch_set
 
-    if prefetch_set() is not None:
-        return prefetch_set(), f"{PREFETCH_ENV} in the environment"
-    if cpu_prefetch_bytes() is None:
-        return None, "not in this library (patch 0015, x86 CPU backend)"
+    if switch_set("READ_AHEAD") is not None:
+        return switch_set("READ_AHEAD"), f"{SWITCH_ENV.format('READ_AHEAD')} in the environment"
+    if kernel_switch("READ_AHEAD") is None:
+        return None, "not in this library (patches 0015 and 0021, x86 CPU backend)"
     if llm.config.n_gpu_layers:
         return 0, "off: the weights are on the GPU"
     seen, source = _seen(llm)
     distance = choose(seen)
-    set_cpu_prefetch_bytes(distance)
+    set_kernel_switch("READ_AHEAD", distance)
     return distance, (f"{source}: a token {1e3 * seen['on']:.2f} ms with it, "
                       f"{1e3 * seen['off']:.2f} ms without")

@@ -1,28 +1,31 @@
-"""One-token decodes timed in turn: how the engine's per-machine choices (the draft's flash
-attention, the weights' read-ahead) compare two ways of decoding on the machine at hand."""
+"""Decodes timed in turn: how the engine's per-machine choices (the draft's flash attention,
+the weights' read-ahead, the kernels that read a prompt) compare two ways of decoding on the
+machine at hand."""
 from __future__ import annotations
 
+import json
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 
 def time_in_turn(runs: dict, batch, tokens: list[int], pos: int, decodes: int,
-                 warmup: int = 2, swap: bool = False,
+                 warmup: int = 2, swap: bool = False, rows: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median seconds of one token decoded at ``pos`` in each of ``runs`` ({name: (context,
-    what to set before each of its decodes, or None)}), the runs taking turns token by token
-    (a machine slowing down slows them all); each decode is removed again, so all see the
-    same cache. ``swap``: the order reverses every other token, so that none always goes
-    first. ``warmup`` turns are not counted."""
+    """Median seconds of one token (``rows`` > 1: of a batch of that many of ``tokens``)
+    decoded at ``pos`` in each of ``runs`` ({name: (context, what to set before each of its
+    decodes, or None)}), the runs taking turns decode by decode (a machine slowing down
+    slows them all); each decode is removed again, so all see the same cache. ``swap``: the
+    order reverses every other turn, so that none always goes first. ``warmup`` turns are
+    not counted."""
     order = list(runs.items())
     times: dict = {name: [] for name in runs}
     for i in range(warmup + decodes):
         for name, (ctx, before) in (order[::-1] if swap and i % 2 == 0 else order):
             if before is not None:
                 before()
-            batch.set([tokens[i % len(tokens)]], pos)
+            batch.set(tokens[:rows] if rows > 1 else [tokens[i % len(tokens)]], pos)
             t0 = clock()
             ctx.decode(batch)
             dt = clock() - t0
@@ -30,3 +33,26 @@ def time_in_turn(runs: dict, batch, tokens: list[int], pos: int, decodes: int,
             if i >= warmup:
                 times[name].append(dt)
     return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def measured_here(prefix: str, version: int) -> Iterator[tuple[str, dict]]:
+    """The cached timings ``<prefix>-<model>-m<machine>-v<version>.json`` of this machine at
+    any thread count, as (model, with its thread count where not the default; the timing).
+    Unreadable files are passed over."""
+    import os
+
+    from ..config import default_threads
+    from ..paths import home
+    from ..provenance import machine, machine_id
+
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        mid = machine_id(machine(n))
+        for f in sorted((home() / "costs").glob(f"{prefix}-*-m{mid}-v{version}.json")):
+            try:
+                seen = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            name = f.name.split(f"-m{mid}")[0].removeprefix(f"{prefix}-")
+            if n != default_threads():
+                name += f" ({n} thread{'s' if n > 1 else ''})"
+            yield name, seen

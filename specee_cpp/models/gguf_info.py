@@ -48,6 +48,7 @@ class GGUFInfo:
     tokenizer_fingerprint: str
     file_size: int
     data_end: int           # offset just past the last tensor's data
+    weight_types: frozenset[str] = frozenset()   # ggml type names of its matrices ("Q4_K")
 
     @property
     def quant(self) -> str:
@@ -390,4 +391,6 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         n_vocab=tokens.count if isinstance(tokens, _RawArray) else 0,
         n_tensors=n_tensors, chat_template=kv.get("tokenizer.chat_template"),
         tokenizer_fingerprint=fp.hexdigest()[:16], file_size=size, data_end=data_end,
+        weight_types=frozenset(GGMLQuantizationType(t.type).name for t in tensors.values()
+                               if len(t.dims) > 1),
     )

@@ -111,16 +111,20 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..config import COST_PROMPT
+        from ..engine.prompt_kernels import prompt_kernels
         from ..provenance import machine, machine_id
         from .cost import MEASURE_VERSION, load_or_measure, measure_table
 
-        # the machine (CPU features, build, threads, AMX switch) is part of the key: a
-        # cache copied to another machine, or a rebuilt library, measures again
+        # the kernels that read prompts first: the table's prices of reading one are theirs
+        llm.prompt_kernels = prompt_kernels(llm, measure=True, progress=progress)
+        # the machine (CPU features, build, threads, AMX switch) is part of the key, and so
+        # are the kernel choices measured for this target: a cache copied to another
+        # machine, a rebuilt library or another choice measures again
         where = machine(llm.config.threads)
-        if llm.read_ahead[0] == 0 and "prefetch" not in where:
-            # measured off for this target here: tables measured with the library's old
-            # default (on) are not these prices
-            where = {**where, "prefetch": "read-ahead off (measured)"}
+        chosen = [f"READ_AHEAD={llm.read_ahead[0]}"] if llm.read_ahead[0] is not None else []
+        chosen += [f"{name}: {how.split(',')[0]}" for name, how in llm.prompt_kernels.items()]
+        if chosen:
+            where = {**where, "kernels": "; ".join(chosen)}
         key = (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
                f"-m{machine_id(where)}-v{MEASURE_VERSION}")
         prompt = llm.prompt_tokens(COST_PROMPT)

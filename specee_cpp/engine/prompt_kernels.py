@@ -1,0 +1,138 @@
+"""Whether the patched row kernels also read prompts on this machine.
+
+The row kernels (patches 0010-0012, 0016-0020) take the batches a speculative verification
+makes, 2 to 64 rows, by default: each of their rows equals that token decoded alone, bit for
+bit, which upstream's gemms do not give. Larger batches (a prompt, read n_batch tokens at a
+time) keep upstream's kernels until measured: ours beat them at every size on the 2-core
+machines they were written on, but split a batch's work into fewer pieces than a many-core
+CPU has threads, and upstream's 16-row AVX-512 gemm beat one of them on an Ice Lake Xeon.
+So before a cost table is measured (the prices of reading a prompt depend on it), one
+prompt batch is timed both ways on this machine for each switch that applies to the target,
+in turn, and a switch takes every batch only where ours was faster by more than
+PROMPT_KERNEL_MARGIN. The choice is cached per target and machine beside the cost tables and
+set again at every later load. A switch set by hand (``SPECEE_CPP_<name>``) is left alone.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from ..config import COST_PROMPT, PROMPT_KERNEL_MARGIN, PROMPT_KERNEL_ROWS
+from ..paths import home, write_text_atomic
+from .timing import measured_here, time_in_turn
+
+VERSION = 1          # part of the cache key: a changed method measures again
+EVERY_BATCH = 1 << 30   # a row limit no batch reaches
+# the switches whose kernels may read prompts (the others stop at verification sizes)
+PROMPT_SWITCHES = ("AMX_FUSED_ROWS", "REPACK_ROWS", "Q6_K_ROWS")
+
+
+def candidates(weight_types: frozenset[str], system_info: str, amx_on: bool) -> list[str]:
+    """The switches whose kernels would read this target's prompt batches in this build:
+    with AMX on, its buffer takes Q4_K and Q6_K (patch 0010); otherwise repacked Q4_K
+    (0011/0016/0018) and Q6_K (0012/0017/0019), on x86 with AVX2."""
+    if "AVX2 = 1" not in system_info:
+        return []
+    if amx_on:
+        return ["AMX_FUSED_ROWS"] if weight_types & {"Q4_K", "Q6_K"} else []
+    return ((["REPACK_ROWS"] if "Q4_K" in weight_types and "REPACK = 1" in system_info else [])
+            + (["Q6_K_ROWS"] if "Q6_K" in weight_types else []))
+
+
+def time_prompt_kernels(model, n_threads: int, tokens: list[int], name: str, turns: int = 2,
+                        warmup: int = 1, clock=time.perf_counter) -> dict:
+    """Median seconds of one batch of ``tokens`` read by ``model`` with switch ``name`` at
+    every batch ("ours") and as it is ("upstream": the batch is above its limit), in turn:
+    {"ours": s, "upstream": s, "rows": n}."""
+    from ..bindings import Batch, Context, kernel_switch, set_kernel_switch
+
+    before = kernel_switch(name)
+    n = len(tokens)
+    ctx = Context(model, n_ctx=n + 8, n_batch=n, n_threads=n_threads)
+    batch = Batch(n)
+    try:
+        seen = time_in_turn({"ours": (ctx, lambda: set_kernel_switch(name, EVERY_BATCH)),
+                             "upstream": (ctx, lambda: set_kernel_switch(name, before))},
+                            batch, tokens, 0, turns, warmup, swap=True, rows=n, clock=clock)
+    finally:
+        set_kernel_switch(name, before)
+        ctx.close()
+        batch.close()
+    return {**seen, "rows": n}
+
+
+def choose(seen: dict) -> bool:
+    """Ours for prompts: only where it beat upstream's by more than the margin (upstream's is
+    the safe choice where the difference is noise)."""
+    return seen["ours"] < (1.0 - PROMPT_KERNEL_MARGIN) * seen["upstream"]
+
+
+def _cache(model_path, where: dict):
+    from ..provenance import machine_id
+
+    return home() / "costs" / (f"prompt-kernels-{model_path.stem[:40]}-{model_path.stat().st_size}"
+                               f"-m{machine_id(where)}-v{VERSION}.json")
+
+
+def _applies(llm) -> list[str]:
+    from ..bindings import kernel_switch, library_info
+    from ..provenance import amx_switched_off, switch_set
+
+    if llm.config.n_gpu_layers:
+        return []
+    info = library_info()["system_info"]
+    names = candidates(llm.model.info.weight_types, info,
+                       "AMX_INT8 = 1" in info and not amx_switched_off())
+    return [n for n in names if switch_set(n) is None and kernel_switch(n) is not None]
+
+
+def prompt_kernels(llm, measure: bool = False, progress=None) -> dict[str, str]:
+    """Set the switches that read ``llm``'s prompts from this machine's measurement for its
+    target (``measure``: made now where there is none, then cached): {switch: "ours" or
+    "upstream's", with where that came from}, empty where no switch applies or none was
+    measured yet (then upstream's kernels read prompts)."""
+    from ..bindings import set_kernel_switch
+    from ..provenance import machine
+
+    names = _applies(llm)
+    if not names:
+        return {}
+    cache = _cache(llm.model.path, machine(llm.config.threads))
+    try:
+        seen = json.loads(cache.read_text(encoding="utf-8"))
+        source = f"measured on this machine ({cache.name})"
+        if not all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names):
+            raise ValueError(cache)
+    except (OSError, ValueError, TypeError, AttributeError):
+        if not measure:
+            return {}
+        raw = llm.prompt_tokens(COST_PROMPT, chat=False)
+        tokens = (raw * (PROMPT_KERNEL_ROWS // len(raw) + 1))[:PROMPT_KERNEL_ROWS]
+        seen = {}
+        for name in names:
+            if progress is not None:
+                progress(f"prompt kernels: {name}, ours and upstream's")
+            seen[name] = time_prompt_kernels(llm.model, llm.config.threads, tokens, name)
+        write_text_atomic(cache, json.dumps(seen))
+        source = "measured on this machine now"
+    out = {}
+    for name in names:
+        ours = choose(seen[name])
+        if ours:
+            set_kernel_switch(name, EVERY_BATCH)
+        out[name] = (f"{'ours' if ours else 'upstream'} for prompts, {source}: a "
+                     f"{seen[name].get('rows', PROMPT_KERNEL_ROWS)}-token batch "
+                     f"{seen[name]['ours']:.2f} s ours, {seen[name]['upstream']:.2f} s upstream's")
+    return out
+
+
+def measured() -> list[tuple[str, str, bool, float, float]]:
+    """What was measured on this machine at any thread count: (model, with its thread count
+    where not the default; switch; ours chosen?; seconds ours; seconds upstream's) each."""
+    out = []
+    for name, seen in measured_here("prompt-kernels", VERSION):
+        try:
+            out += [(name, sw, choose(s), s["ours"], s["upstream"]) for sw, s in seen.items()]
+        except (KeyError, TypeError, AttributeError):
+            continue
+    return out
