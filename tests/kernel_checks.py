@@ -4,10 +4,11 @@ A kernel or scheduler bug here kills the process (SIGSEGV in a tile instruction,
 GGML_ASSERT), so each check runs as ``python kernel_checks.py NAME ARGS...`` and the test
 reads the exit status: a crash fails one test, with its signal, instead of ending the run.
 
-The models are tiny qwen2 GGUFs quantized by llama.cpp to Q4_0 / Q4_K / IQ4_NL with the LM
-head in the same type and every row count a multiple of 16, so that with the extra buffer
-types on (as users run) the weights and the head are repacked (CPU_REPACK, or AMX where the
-CPU has it); the same file loaded with extra buffer types off is the reference.
+The models are tiny qwen2 GGUFs quantized by llama.cpp to Q4_0 / Q4_K / Q6_K / IQ4_NL / Q8_0
+with the LM head in the same type and every row count a multiple of 16, so that with the
+extra buffer types on (as users run) the weights and the head are repacked (CPU_REPACK, or
+AMX where the CPU has it); the same file loaded with extra buffer types off is the
+reference.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ N_LAYER = 4
 N_VOCAB = 320  # a multiple of 16: the head is repacked
 PROMPT = [1, 300, 301, 302, 303, 304, 305, 306]
 # name -> (llama_ftype, ggml type of head and embeddings)
-QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "Q6_K": (18, 14), "IQ4_NL": (25, 20)}
+QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "Q6_K": (18, 14), "IQ4_NL": (25, 20), "Q8_0": (7, 8)}
 # Both paths quantize activations to 8 bits per block, but repacked kernels sum in another
 # order (and AMX in int32 tiles): measured up to 7% of the logits' spread (Q4_K); a broken
 # kernel is off by about 100%.
@@ -196,19 +197,20 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
         alone.decode(b)
         singles.append(alone.logits(-1))
     diffs = []
+    batched = Context(model, n_ctx=n_ctx, n_batch=MAX_BATCH_ROWS, n_threads=2)
+    read_prompt(batched)
     for n in sizes:
-        batched = Context(model, n_ctx=n_ctx, n_batch=MAX_BATCH_ROWS, n_threads=2)
-        read_prompt(batched)
         b.set(nxt[:n], len(prompt), output_last_only=False)   # one decode of n rows
         batched.decode(b)
         got, alone_rows = all_logits(batched, n), np.stack(singles[:n])
+        batched.seq_rm(len(prompt))   # the next size sees the same cache
         if n <= 64:
             # above, a prompt's batch: upstream's kernels, whose rounding moves this random
             # model's logits by up to ~20% of their spread
             close(got, alone_rows, f"{quant}: batch of {n} vs one at a time")
         first = n - n % 4 if part == "tail" else 0
         diffs.append(float(np.max(np.abs(got[first:] - alone_rows[first:]))))
-        batched.close()
+    batched.close()
     alone.close()
     model.close()
     print(" ".join(f"{d:.3g}" for d in diffs))

@@ -105,6 +105,14 @@ def test_verification_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch, c
                               context))
 
 
+@pytest.mark.parametrize("quant", ["Q4_0", "IQ4_NL", "Q8_0"])
+def test_verification_batches_of_other_types_equal_one_row_decodes(kdir, monkeypatch, quant):
+    # the types users quantize whole models to besides the K-quants (repacked Q4_0/IQ4_NL,
+    # Q8_0 through llama.cpp's own kernels): every verification size, past the key split
+    monkeypatch.setenv("SPECEE_CPP_AMX", "0")
+    assert child("small_batch_rows", str(kdir), quant, "1-64", "all", "wide", "600") == EXACT
+
+
 @pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
 def test_a_lower_row_limit_leaves_the_rest_to_the_gemm(kdir, monkeypatch):
     # REPACK_ROWS 3: batches of 4 and more take upstream's gemm and the rows it leaves go
