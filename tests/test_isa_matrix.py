@@ -4,7 +4,8 @@ with GCC and with clang (macOS and Windows builds use clang; the test extra's ``
 ships one where the system has none). A kernel that does not compile for one (an intrinsic
 outside its feature guard, a guard that names the wrong feature, a compiler-specific
 construct without a fallback) fails here on any x86 host; test_real_kernels.py runs the
-kernels of the ISA this host has."""
+kernels of the ISA this host has. Also: the series checked against a llama.cpp checkout,
+as a rebase starts."""
 from __future__ import annotations
 
 import importlib.util
@@ -122,3 +123,28 @@ def test_the_amx_kernels_store_their_tile_configuration(src, tmp_path, branch):
         return
     ok, msg = check_amx.check_file(out)
     assert ok, msg
+
+
+def test_check_tree_says_which_patch_does_not_apply(tmp_path):
+    """build_wheel.py --check-tree: the series against a llama.cpp checkout (say, a newer
+    upstream), in order, without building and without touching it."""
+    sdist = build_wheel.home_dir() / "sdist" / \
+        f"llama_cpp_python-{build_wheel.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not sdist.exists():
+        pytest.skip(f"no sdist at {sdist} (set-up downloads it)")
+    tree = build_wheel.patched_tree(tmp_path / "x", patches=[])   # the pinned checkout
+    lines = build_wheel.check_tree(tree)
+    assert [line.split(":")[0] for line in lines] == [p.name for p in build_wheel.patch_files()]
+    assert all(line.endswith(": applies") for line in lines), lines
+    # upstream moved a line the AMX patch edits: that patch is named, the others still apply
+    mmq = tree / "ggml" / "src" / "ggml-cpu" / "amx" / "mmq.cpp"
+    text = mmq.read_text()
+    assert "#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)\n\nnamespace {" in text
+    edited = text.replace("#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)\n\nnamespace {",
+                          "#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)\n\n// moved\n"
+                          "namespace {")
+    mmq.write_text(edited)
+    moved = build_wheel.check_tree(tree)
+    assert moved[2].startswith("0003-") and "does not apply" in moved[2] and "mmq.cpp" in moved[2]
+    assert moved[0].endswith(": applies")
+    assert mmq.read_text() == edited   # the checkout as it was
