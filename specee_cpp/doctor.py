@@ -44,12 +44,10 @@ ROW_SWITCHES = {
 def row_kernels(system_info: str, live) -> list[str]:
     """One line per row-limit switch that applies to this build: the batch sizes its kernels
     take now (``live``: name -> value), and where that came from."""
-    from .engine.prompt_kernels import EVERY_BATCH, PROMPT_SWITCHES, measured
+    from .engine.prompt_kernels import EVERY_BATCH, PROMPT_SWITCHES, build_switches, measured
 
     amx = "AMX_INT8 = 1" in system_info and not amx_switched_off()
-    names = ([] if "AVX2 = 1" not in system_info else ["AMX_ROWS", "AMX_FUSED_ROWS"] if amx
-             else (["REPACK_ROWS"] if "REPACK = 1" in system_info else []) + ["Q6_K_ROWS"])
-    names += ["ATTN_ROWS", "DOT_ROWS"]   # every CPU
+    names = build_switches(system_info, amx) + ["ATTN_ROWS", "DOT_ROWS"]   # those: every CPU
     seen = measured()
     lines = []
     for name in names:

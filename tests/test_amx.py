@@ -4,7 +4,6 @@ import os
 import re
 import shutil
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -27,20 +26,22 @@ def gcc_major() -> int | None:
     return int(out.split(".")[0]) if out.strip() else None
 
 
-@pytest.fixture(scope="module")
-def ggml_src(tmp_path_factory) -> Path:
-    """ggml's sources from the pinned sdist (the one set-up downloaded)."""
-    sdist = build_wheel.home_dir() / "sdist" / f"llama_cpp_python-{build_wheel.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+def need_sdist() -> None:
+    """Skip unless the pinned sdist that set-up downloads is here (the sources these tests
+    compile or patch come from it)."""
+    sdist = build_wheel.home_dir() / "sdist" / \
+        f"llama_cpp_python-{build_wheel.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
     if not sdist.exists():
         pytest.skip(f"no sdist at {sdist} (set-up downloads it)")
+
+
+@pytest.fixture(scope="module")
+def ggml_src(tmp_path_factory) -> Path:
+    """The pinned llama.cpp sources, unpatched."""
+    need_sdist()
     if gcc_major() is None:
         pytest.skip("no g++")
-    root = tmp_path_factory.mktemp("ggml")
-    prefix = f"llama_cpp_python-{build_wheel.LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-    with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix + "ggml/")]
-        tar.extractall(root, members=members)
-    return root / prefix
+    return build_wheel.patched_tree(tmp_path_factory.mktemp("ggml"), patches=[])
 
 
 def compile_mmq(src: Path, out: Path) -> Path:

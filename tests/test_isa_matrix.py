@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from scripts_path import load_script
-from test_amx import gcc_major
+from test_amx import gcc_major, need_sdist
 
 build_wheel = load_script("build_wheel")
 check_amx = load_script("check_amx_codegen")
@@ -41,10 +41,7 @@ def src(tmp_path_factory) -> Path:
         pytest.skip("x86 kernels")
     if gcc_major() is None:
         pytest.skip("no gcc/g++")
-    sdist = build_wheel.home_dir() / "sdist" / \
-        f"llama_cpp_python-{build_wheel.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-    if not sdist.exists():
-        pytest.skip(f"no sdist at {sdist} (set-up downloads it)")
+    need_sdist()
     return build_wheel.patched_tree(tmp_path_factory.mktemp("isa")) / "ggml" / "src"
 
 
@@ -128,10 +125,7 @@ def test_the_amx_kernels_store_their_tile_configuration(src, tmp_path, branch):
 def test_check_tree_says_which_patch_does_not_apply(tmp_path):
     """build_wheel.py --check-tree: the series against a llama.cpp checkout (say, a newer
     upstream), in order, without building and without touching it."""
-    sdist = build_wheel.home_dir() / "sdist" / \
-        f"llama_cpp_python-{build_wheel.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-    if not sdist.exists():
-        pytest.skip(f"no sdist at {sdist} (set-up downloads it)")
+    need_sdist()
     tree = build_wheel.patched_tree(tmp_path / "x", patches=[])   # the pinned checkout
     lines = build_wheel.check_tree(tree)
     assert [line.split(":")[0] for line in lines] == [p.name for p in build_wheel.patch_files()]

@@ -23,20 +23,27 @@ from .timing import measured_here, time_in_turn
 
 VERSION = 1          # part of the cache key: a changed method measures again
 EVERY_BATCH = 1 << 30   # a row limit no batch reaches
-# the switches whose kernels may read prompts (the others stop at verification sizes)
-PROMPT_SWITCHES = ("AMX_FUSED_ROWS", "REPACK_ROWS", "Q6_K_ROWS")
+# the switches whose kernels may read prompts (the others stop at verification sizes), and
+# the weight types each one's kernels take
+TAKES = {"AMX_FUSED_ROWS": {"Q4_K", "Q6_K"}, "REPACK_ROWS": {"Q4_K"}, "Q6_K_ROWS": {"Q6_K"}}
+PROMPT_SWITCHES = tuple(TAKES)
 
 
-def candidates(weight_types: frozenset[str], system_info: str, amx_on: bool) -> list[str]:
-    """The switches whose kernels would read this target's prompt batches in this build:
-    with AMX on, its buffer takes Q4_K and Q6_K (patch 0010); otherwise repacked Q4_K
-    (0011/0016/0018) and Q6_K (0012/0017/0019), on x86 with AVX2."""
+def build_switches(system_info: str, amx_on: bool) -> list[str]:
+    """The x86 row-limit switches whose kernels this build runs (AVX2 and up): AMX's with
+    AMX on (its buffer takes the weights), else repacked Q4_K's (where the build repacks,
+    patches 0011/0016/0018/0020) and Q6_K's (0012/0017/0019)."""
     if "AVX2 = 1" not in system_info:
         return []
     if amx_on:
-        return ["AMX_FUSED_ROWS"] if weight_types & {"Q4_K", "Q6_K"} else []
-    return ((["REPACK_ROWS"] if "Q4_K" in weight_types and "REPACK = 1" in system_info else [])
-            + (["Q6_K_ROWS"] if "Q6_K" in weight_types else []))
+        return ["AMX_ROWS", "AMX_FUSED_ROWS"]
+    return (["REPACK_ROWS"] if "REPACK = 1" in system_info else []) + ["Q6_K_ROWS"]
+
+
+def candidates(weight_types: frozenset[str], system_info: str, amx_on: bool) -> list[str]:
+    """The switches whose kernels would read this target's prompt batches in this build."""
+    return [n for n in build_switches(system_info, amx_on)
+            if weight_types & TAKES.get(n, set())]
 
 
 def time_prompt_kernels(model, n_threads: int, tokens: list[int], name: str, turns: int = 2,

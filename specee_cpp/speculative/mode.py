@@ -111,6 +111,7 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..config import COST_PROMPT
+        from ..bindings import kernel_switch
         from ..engine.prompt_kernels import prompt_kernels
         from ..provenance import machine, machine_id
         from .cost import MEASURE_VERSION, load_or_measure, measure_table
@@ -122,7 +123,7 @@ def cost_model(llm, progress=None):
         # machine, a rebuilt library or another choice measures again
         where = machine(llm.config.threads)
         chosen = [f"READ_AHEAD={llm.read_ahead[0]}"] if llm.read_ahead[0] is not None else []
-        chosen += [f"{name}: {how.split(',')[0]}" for name, how in llm.prompt_kernels.items()]
+        chosen += [f"{name}={kernel_switch(name)}" for name in llm.prompt_kernels]
         if chosen:
             where = {**where, "kernels": "; ".join(chosen)}
         key = (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
