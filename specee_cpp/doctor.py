@@ -34,10 +34,10 @@ def amx_state(system_info: str) -> str:
 ROW_SWITCHES = {
     "AMX_ROWS": "AMX, types without a multi-row kernel: row by row (0009)",
     "AMX_FUSED_ROWS": "AMX, Q4_K/Q6_K: rows together (0010)",
-    "REPACK_ROWS": "repacked Q4_K: rows together (0011, 0016, 0018; IQ4_NL/Q4_0 2-3 rows: 0020)",
-    "Q6_K_ROWS": "Q6_K: each weight row against the rows (0012, 0017, 0019)",
-    "ATTN_ROWS": "flash attention: one-token decodes and batches row by row, one pass (0021)",
-    "DOT_ROWS": "Q2_K/Q3_K/Q5_K/IQ types: the one-row dot per pair, not the tiled matmul (0021)",
+    "REPACK_ROWS": "repacked Q4_K: rows together (0015; IQ4_NL/Q4_0 2-3 rows)",
+    "Q6_K_ROWS": "Q6_K: each weight row against the rows (0016)",
+    "ATTN_ROWS": "flash attention: one-token decodes and batches row by row, one pass (0014)",
+    "DOT_ROWS": "Q2_K/Q3_K/Q5_K/IQ types: the one-row dot per pair, not the tiled matmul (0014)",
 }
 
 
@@ -53,7 +53,7 @@ def row_kernels(system_info: str, live) -> list[str]:
     for name in names:
         value = live(name)
         if value is None:
-            lines.append(f"{name}: not in this build (patch 0021 missing)")
+            lines.append(f"{name}: not in this build (patch 0014 missing)")
             continue
         span = ("off: upstream's kernels" if value < 2 else
                 "every batch" if value >= EVERY_BATCH else f"batches of 2-{value} rows")
@@ -71,12 +71,12 @@ def row_kernels(system_info: str, live) -> list[str]:
 
 
 def prefetch_state(system_info: str, distance: int | None) -> str:
-    """Whether the x86 matmul kernels ask for the weights ahead (patch 0015), where that
+    """Whether the x86 matmul kernels ask for the weights ahead (patch 0013), where that
     came from, and what was measured on this machine (engine/read_ahead.py)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
     if distance is None:
-        return "not in this build (patches 0015 and 0021 missing)"
+        return "not in this build (patches 0013 and 0014 missing)"
     if switch_set("READ_AHEAD") is not None:
         return (f"{'off' if distance <= 0 else f'{distance} bytes ahead'}, set by hand "
                 f"({SWITCH_ENV.format('READ_AHEAD')}); unset it to use this machine's "

@@ -130,7 +130,7 @@ def real_kernels(directory: str, quant: str) -> None:
 
 
 def prefetch_changes_nothing(directory: str, quant: str) -> None:
-    """Patch 0015: every array of run_pair (prompt batch, staged decode, exit, one-token
+    """Patch 0013: every array of run_pair (prompt batch, staged decode, exit, one-token
     decodes) is the same bit for bit with the weights asked for ahead (the distance a machine
     may choose) and with that switched off in the loaded library: a prefetch only moves
     data."""
@@ -167,9 +167,9 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     The patched kernels make them equal bit for bit up to the switches' limits (64 rows by
     default): on AMX row by row with the one-row kernel (patch 0009) or several rows at once
     (0010: Q4_K/Q6_K, groups of up to 8 rows); on x86's repacked Q4_K several rows at once
-    (0011; with AVX2 alone 0016's kernel, 32 rows a pass; with AVX-512 VNNI 0018's, two
-    strips of columns at once), in groups of up to 4 (9 = 4 + 3 + 2) where the limit leaves
-    the rest to the gemm; on x86's Q6_K (0012) each weight row against up to 16 rows at once
+    (0015; with AVX2 alone 32 rows a pass; with AVX-512 VNNI two strips of columns at
+    once), in groups of up to 4 (9 = 4 + 3 + 2) where the limit leaves the rest to the
+    gemm; on x86's Q6_K (0016) each weight row against up to 16 rows at once
     (instead of a dot per pair or, from 8 rows, llama.cpp's tiled matmul)."""
     sizes = []
     for part_ in (rows.split(",") if rows else [str(n) for n in BATCH_ROWS]):

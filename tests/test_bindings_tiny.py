@@ -54,7 +54,7 @@ def test_argmax_in_c_equals_numpy_on_the_logits(tiny_llama):
 
 
 def test_confidence_in_c_equals_numpy_on_the_logits(tiny_llama):
-    """What a draft-length policy reads of each drafted token (patch 0013): the greedy token,
+    """What a draft-length policy reads of each drafted token (patch 0011): the greedy token,
     the top-1 probability and the entropy of the softmax, as ``draft_confidence`` computes
     them from a copy of the logits."""
     from specee_cpp.speculative.decode import draft_confidence

@@ -16,7 +16,7 @@ from specee_cpp.errors import SpeceeError
 CPU = CostModel([0.034 * x for x in (1.0, 1.68, 2.27, 2.77, 3.5, 4.15, 4.64, 6.44, 7.05, 7.4,
                                       8.09, 8.3, 8.39, 9.2, 9.6, 8.34)], 0.593 * 0.034)
 GPU = simulate.gpu_like(CPU, bpw=4.85)
-# the 2-core AVX2 EPYC's with patch 0016 (`specee-cpp costs`, 128 tokens of
+# the 2-core AVX2 EPYC's with its AVX2 Q4_K rows kernel (`specee-cpp costs`, 128 tokens of
 # context): verify 2/4/8/16 = 1.30/1.91/3.80/6.06 plain tokens, a draft token (IQ4_NL) 0.43,
 # a round's first 0.66: drafting pays from 90% acceptance
 EPYC_S38 = CostModel([0.0438 * x for x in (0.994, 1.302, 1.641, 1.914, 2.432, 2.766, 2.972,

@@ -1,4 +1,4 @@
-"""The x86 kernels' weight read-ahead (patch 0015) is off until measured on the machine:
+"""The x86 kernels' weight read-ahead (patch 0013) is off until measured on the machine:
 the first load of a model times it on and off, keeps the faster (past a margin), caches it;
 a hand-set SPECEE_CPP_READ_AHEAD wins over both."""
 from __future__ import annotations

@@ -87,8 +87,8 @@ def exact_then_upstream(out: str) -> None:
 @pytest.mark.parametrize("context", ["8", "600"])
 def test_verification_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch,
                                                                       context):
-    # patch 0011's framework with the kernel of the build's ISA (0016: AVX2, 32 rows a pass,
-    # so 33 = 32 + 1; 0018: AVX-512 VNNI, two strips of columns at once). With AMX on, the
+    # patch 0015's rows kernel of the build's ISA (AVX2: 32 rows a pass, so 33 = 32 + 1;
+    # AVX-512 VNNI: two strips of columns at once). With AMX on, the
     # AMX buffer takes these weights: switch it off so the repack runs.
     monkeypatch.setenv("SPECEE_CPP_AMX", "0")
     exact_then_upstream(child("small_batch_rows", str(kdir), "Q4_K", "1-70", "all", "wide",
@@ -98,8 +98,8 @@ def test_verification_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monke
 @pytest.mark.skipif("not system_repacks_x86()", reason="no x86 AVX2 kernels")
 @pytest.mark.parametrize("context", ["8", "600"])
 def test_verification_batches_on_q6_k_equal_one_row_decodes(kdir, monkeypatch, context):
-    # patch 0012 (each weight row against up to 16 rows at once, a batch in groups of 16;
-    # 0017's 512-bit steps and 0019's constant row counts on AVX-512 builds)
+    # patch 0016 (each weight row against up to 16 rows at once, a batch in groups of 16;
+    # 512-bit steps and constant row counts on AVX-512 builds)
     monkeypatch.setenv("SPECEE_CPP_AMX", "0")
     exact_then_upstream(child("small_batch_rows", str(kdir), "Q6_K", "1-70", "all", "wide",
                               context))
@@ -131,7 +131,7 @@ def test_a_lower_row_limit_leaves_the_rest_to_the_gemm(kdir, monkeypatch):
 @pytest.mark.parametrize("quant", ["IQ4_NL", "Q4_0"])
 def test_small_batches_on_repacked_iq4_nl_and_q4_0_equal_one_row_decodes(kdir, monkeypatch,
                                                                          quant):
-    # patch 0020 takes 2-3 rows against repacked IQ4_NL / Q4_0 weights (a draft's catch-up)
+    # patch 0015 takes 2-3 rows against repacked IQ4_NL / Q4_0 weights (a draft's catch-up)
     # together, one pass over the weights: each row must equal that token decoded alone.
     # Batches of 4 and more take upstream's gemm, and the 2-3 rows it leaves go together:
     # they differ from one-at-a-time decodes by exactly as much as upstream's rows do
@@ -187,7 +187,7 @@ def q8_k_inputs():
 
 
 def test_q8_k_activations_equal_the_reference_bit_for_bit():
-    """Patch 0014: x86's quantize_row_q8_K (AVX2; every K-quant matmul's activations) writes
+    """Patch 0012: x86's quantize_row_q8_K (AVX2; every K-quant matmul's activations) writes
     the same bytes as ggml's scalar quantize_row_q8_K_ref, d, quants and bsums, on inputs
     where the reference's order of decisions matters (an FMA-contracted product or a
     saturating int8 store differs here: both checked against builds that had them)."""
@@ -214,13 +214,13 @@ def test_q8_k_activations_equal_the_reference_bit_for_bit():
 
 
 def test_q6_k_dot_equals_the_dequantized_dot():
-    """Patch 0017: on AVX-512 builds the Q6_K dot (ggml's vec_dot for Q6_K, every plain
+    """Patch 0016: on AVX-512 builds the Q6_K dot (ggml's vec_dot for Q6_K, every plain
     token's head) runs in 512-bit steps that pair the AVX2 kernel's operands two by two.
     Checked here against the dot of both operands dequantized by ggml (float64 sums): a
     quant, scale or activation put in the wrong half is off by ~1/sqrt(n) of the sum of
     |products|, the kernel's own rounding by ~1e-7 of it. That every batch of 2-16 rows
     equals this dot bit for bit is the model test above; that this dot equals the AVX2
-    kernel's bit for bit was checked when the patch was made (docs/kernels.md, patch 0017)."""
+    kernel's bit for bit was checked when the patch was made (docs/kernels.md, patch 0016)."""
     import ctypes
 
     import numpy as np
@@ -288,7 +288,7 @@ def test_weight_prefetch_changes_no_result(kdir, quant):
 
 def test_one_token_kernels_ask_for_the_weights_ahead():
     """The x86 kernels of plain decoding (repacked Q4_K's gemv, the Q2_K-Q8_0 dots) carry
-    patch 0015's prefetch (Q4_0/IQ4_NL's repacked gemv is a static template, without a
+    patch 0013's read-ahead (Q4_0/IQ4_NL's repacked gemv is a static template, without a
     symbol in the wheel: its results are checked above, its speed in docs/kernels.md)."""
     import platform
     import shutil
@@ -309,4 +309,4 @@ def test_one_token_kernels_ask_for_the_weights_ahead():
         # the wheel's symbols are versioned: <name@@Base>
         assert r.returncode == 0 and re.search(rf"<{fn}(@@\w+)?>:", r.stdout), \
             f"{fn} not found: {r.stderr[:300]}"
-        assert "prefetch" in r.stdout, f"{fn} asks for no weights ahead (patch 0015)"
+        assert "prefetch" in r.stdout, f"{fn} asks for no weights ahead (patch 0013)"

@@ -157,7 +157,7 @@ def _optional(name: str, argtypes: list, restype):
     return fn
 
 
-# The CPU kernel switches (ggml-cpu.h, patch 0021), reached through libllama's handle (the CPU
+# The CPU kernel switches (ggml-cpu.h, patch 0014), reached through libllama's handle (the CPU
 # backend is one of its libraries); None where the CPU backend is loaded at run time instead.
 # bool ggml_cpu_specee_set(const char * name, int64_t value);
 ggml_cpu_specee_set = _optional("ggml_cpu_specee_set", [ctypes.c_char_p, ctypes.c_int64],

@@ -1,6 +1,6 @@
 """Whether the patched row kernels also read prompts on this machine.
 
-The row kernels (patches 0010-0012, 0016-0020) take the batches a speculative verification
+The row kernels (patches 0010, 0015, 0016) take the batches a speculative verification
 makes, 2 to 64 rows, by default: each of their rows equals that token decoded alone, bit for
 bit, which upstream's gemms do not give. Larger batches (a prompt, read n_batch tokens at a
 time) keep upstream's kernels until measured: ours beat them at every size on the 2-core
@@ -32,7 +32,7 @@ PROMPT_SWITCHES = tuple(TAKES)
 def build_switches(system_info: str, amx_on: bool) -> list[str]:
     """The x86 row-limit switches whose kernels this build runs (AVX2 and up): AMX's with
     AMX on (its buffer takes the weights), else repacked Q4_K's (where the build repacks,
-    patches 0011/0016/0018/0020) and Q6_K's (0012/0017/0019)."""
+    patch 0015) and Q6_K's (0016)."""
     if "AVX2 = 1" not in system_info:
         return []
     if amx_on:

@@ -1,4 +1,4 @@
-"""The x86 kernels' weight read-ahead (patch 0015), on only where it was measured to pay on
+"""The x86 kernels' weight read-ahead (patch 0013), on only where it was measured to pay on
 this machine.
 
 The patch asks for each weight block a few KiB before the kernel reads it, because the
@@ -103,7 +103,7 @@ def read_ahead(llm) -> tuple[int | None, str]:
     if switch_set("READ_AHEAD") is not None:
         return switch_set("READ_AHEAD"), f"{SWITCH_ENV.format('READ_AHEAD')} in the environment"
     if kernel_switch("READ_AHEAD") is None:
-        return None, "not in this library (patches 0015 and 0021, x86 CPU backend)"
+        return None, "not in this library (patches 0013 and 0014, x86 CPU backend)"
     if llm.config.n_gpu_layers:
         return 0, "off: the weights are on the GPU"
     seen, source = _seen(llm)
