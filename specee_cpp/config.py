@@ -67,6 +67,23 @@ COPY_GRAM = 4              # tokens a copy in progress is matched on
 FOLLOW_MIN = 16            # tokens repeated before a copy is followed whole (8-24 replayed alike)
 FOLLOW_HITS = 0.8          # the first guesses' recent hit rate a followed copy needs
 
+# the caller's predicted output (speculative/prediction.py)
+PREDICTION_GRAM = 2        # output tokens that rejoin the prediction near where it left it
+PREDICTION_FAR_GRAM = 4    # ... and anywhere else in it (a short gram recurs by chance there)
+PREDICTION_NEAR = 64       # tokens after the point left within which the short gram is trusted
+# a drafted prediction token is right (Beta prior: kept, broken): just (re)joined, 2 in 3 (a
+# rejoin of an edit mostly holds; two breaks of a chance one stop its drafts);
+# once the output has followed it PREDICTION_RUN tokens, an edit's unchanged stretch
+PREDICTION_PRIOR_JOIN = (2.0, 1.0)
+PREDICTION_PRIOR_RUN = (9.0, 1.0)
+PREDICTION_RUN = 4
+# a verification's cost in plain tokens where no table of this machine's is at hand (plain
+# mode): 1 + PREDICTION_ROW_COST per row past the first, the dearest rows measured on any
+# machine (a 2-core Zen 4 EPYC, whose AVX-512 runs as two 256-bit halves: 16 rows 8.6 and
+# 64 rows 32.9 plain tokens at 1024 tokens of context), so a draft that pays here pays on
+# every machine
+PREDICTION_ROW_COST = 0.5
+
 # the copy model's fit (speculative/context_acceptance.py)
 COPY_PER_STREAM = 100      # samples per output stream: no stream outweighs the others
 COPY_EPOCHS = 300          # at 30 the nets were still learning (held-out loss 0.325 vs 0.297)

@@ -34,6 +34,14 @@ class LibraryError(SpeceeError):
     """The loaded libllama is missing or is not the specee-cpp patched build."""
 
 
+class FieldError(SpeceeError):
+    """A request field whose value cannot be honoured; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class ContextOverflowError(SpeceeError):
     """A prompt plus the requested tokens do not fit in the context window."""
 

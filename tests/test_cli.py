@@ -74,6 +74,49 @@ def test_generate_text_streams_and_reports_speed(small_model):
     assert "tok/s" in r.stderr
 
 
+def test_generate_and_chat_with_a_prediction(small_model, tmp_path):
+    assert_one_line_error(run("generate", small_model, "-p", "hi", "--prediction",
+                              tmp_path / "missing.txt"), "cannot read --prediction")
+    assert_one_line_error(run("generate", small_model, "-p", "hi", "--prediction",
+                              tmp_path), "cannot read --prediction")
+    want = json.loads(run("generate", small_model, "-p", "Say hello.", "-n", "16",
+                          "--json").stdout)
+    pred = tmp_path / "pred.txt"
+    pred.write_text(want["text"], encoding="utf-8")
+    assert_one_line_error(run("generate", small_model, "-p", "hi", "--prediction", pred,
+                              "--mode", "ee"), "--prediction: mode ee")
+    r = run("generate", small_model, "-p", "Say hello.", "-n", "16", "--json",
+            "--prediction", pred)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["tokens"] == want["tokens"]
+    assert doc["stats"]["prediction"]["accepted"] >= len(want["tokens"]) - 2
+    assert doc["stats"]["drafted_by_source"]["prediction"]["accepted"] > 0
+    r = run("chat", small_model, "-n", "16",
+            input=f"/predict {tmp_path / 'nope.txt'}\n/predict {pred}\nSay hello.\n/exit\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot read /predict" in r.stderr and "the next reply drafts from" in r.stderr
+    assert "prediction" in r.stderr.split("the next reply drafts from")[1]   # its stats line
+
+
+@pytest.mark.model
+def test_chat_answers_before_the_costs_are_measured(small_model, tmp_path):
+    # a fresh home: no cost table for the pair. The first reply does not wait for one: it
+    # drafts from the context at safe prices and says so; the measurement runs between turns
+    env = dict(ENV, SPECEE_CPP_HOME=str(tmp_path / "home"))
+    p = subprocess.Popen(CLI + ["chat", str(small_model), "--draft", str(small_model), "-n",
+                                "12", "--verbose"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p.stdin.write("Hello!\n")
+    p.stdin.flush()
+    time.sleep(10)            # the user reads the reply: idle time for the measurement
+    _, stderr = p.communicate("/exit\n", timeout=300)
+    assert p.returncode == 0 and "Traceback" not in stderr, stderr
+    assert "costs are not measured yet" in stderr, stderr
+    before, after = stderr.split("costs are not measured yet", 1)
+    assert "measuring this machine's draft/verify costs" in after, stderr   # after the reply
+
+
 def test_models_and_doctor():
     r = run("models")
     assert r.returncode == 0 and "qwen2.5-coder-1.5b" in r.stdout and "pair default" in r.stdout

@@ -145,6 +145,38 @@ def test_spec_per_request_is_lossless_and_reports_drafts(client):
     assert plain.model_extra["specee"]["n_drafted"] == 0
 
 
+def test_prediction_is_lossless_and_counted_streamed_and_not(client):
+    msgs = [{"role": "user", "content": PROMPT}]
+    plain = client.chat.completions.create(model="m", messages=msgs, max_tokens=32,
+                                           temperature=0)
+    want = plain.choices[0].message.content
+    for content in (want, [{"type": "text", "text": want[:20]}, {"type": "text",
+                                                                  "text": want[20:]}]):
+        for spec in (None, {"mode": "spec", "gamma": 2}):
+            r = client.chat.completions.create(
+                model="m", messages=msgs, max_tokens=32, temperature=0,
+                prediction={"type": "content", "content": content},
+                extra_body={"specee": spec} if spec else None)
+            assert r.choices[0].message.content == want
+            d = r.usage.completion_tokens_details
+            assert d.accepted_prediction_tokens >= r.usage.completion_tokens - 2
+            assert d.rejected_prediction_tokens <= 2
+    text, _, usage = streamed(client.chat.completions.create(
+        model="m", messages=msgs, max_tokens=32, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        prediction={"type": "content", "content": "Nothing like the answer at all."}))
+    assert text == want
+    assert usage.completion_tokens_details.rejected_prediction_tokens > 0
+    r = client.completions.create(model="x", prompt="def fibonacci(n):", max_tokens=24,
+                                  temperature=0)
+    again = client.completions.create(model="x", prompt="def fibonacci(n):", max_tokens=24,
+                                      temperature=0, extra_body={"prediction": {
+                                          "type": "content", "content": r.choices[0].text}})
+    assert again.choices[0].text == r.choices[0].text
+    assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert plain.usage.completion_tokens_details is None   # no prediction, no details
+
+
 def test_sampling_is_seeded(client):
     msgs = [{"role": "user", "content": PROMPT}]
     a, b, c = (client.chat.completions.create(model="m", messages=msgs, max_tokens=16,
@@ -241,11 +273,27 @@ def test_queue_bound_answers_429_with_retry_after(client, server):
     ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, None, 400, "seed"),
     (None, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
      "U+D800 is a lone surrogate"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content",
+                                                                     "content": 5}}, None,
+     400, "prediction.content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prediction": "def f(): pass"}, None,
+     400, "prediction"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "diff",
+                                                                     "content": "x"}}, None,
+     400, "prediction.type"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "prediction": {"type": "content", "content": "word " * (2 * N_CTX)}}, None, 400,
+     "prediction of"),
+    ({"messages": [{"role": "user", "content": "hi"}], "specee": {"mode": "ee"},
+      "prediction": {"type": "content", "content": "x"}}, None, 400,
+     "prediction: mode ee does not take one"),
 ])
 def test_bad_requests_are_4xx_naming_the_field(server, body, raw, status, words):
     got, _, answer = http(server, "/v1/chat/completions", body, raw=raw)
     assert got == status, answer
     assert words in answer["error"]["message"], answer
+    if body and "prediction" in body:
+        assert answer["error"]["param"].startswith("prediction"), answer
     assert "Traceback" not in answer["error"]["message"]
 
 

@@ -31,6 +31,9 @@ class BenchConfig:
     needs_draft: bool = False
     static_cache: bool = False      # llama-lookup with a static n-gram cache
     reference: bool = False         # a plain-decoding reference, not a speculative peer
+    # ours: the prompt's prediction ("own"), another prompt's ("unrelated", the control of
+    # what a wrong prediction costs) or none ("")
+    prediction: str = ""
 
     @property
     def mode_options(self):
@@ -40,7 +43,9 @@ class BenchConfig:
     def describe(self) -> str:
         if self.kind == "ours":
             m = modes.get(self.mode)
-            return m.describe(self.mode_options)
+            given = {"own": " with the prompt's prediction",
+                     "unrelated": " with another prompt's prediction (control)"}
+            return m.describe(self.mode_options) + given.get(self.prediction, "")
         if self.kind == "pld":
             return "llama-cpp-python LlamaPromptLookupDecoding()"
         return " ".join([self.tool, *self.args] + (["-md DRAFT"] if self.needs_draft else [])
@@ -81,6 +86,14 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # batches are seen to cost (cost.VerifyScale): the same-run A/B of that scale
     BenchConfig("spec-auto-table", "ours", True, mode="spec",
                 options=SpecBenchOptions(gamma="auto", model_scale=False), needs_draft=True),
+    # predicted outputs (OpenAI's prediction): an edit's original, and the control where
+    # the prediction is another prompt's
+    BenchConfig("plain-pred", "ours", True, prediction="own"),
+    BenchConfig("plain-pred-unrelated", "ours", True, prediction="unrelated"),
+    BenchConfig("spec-auto-pred", "ours", True, mode="spec", options=SpecOptions(gamma="auto"),
+                needs_draft=True, prediction="own"),
+    BenchConfig("spec-auto-pred-unrelated", "ours", True, mode="spec",
+                options=SpecOptions(gamma="auto"), needs_draft=True, prediction="unrelated"),
     # The defaults (ee-draft, spec-ee) run as a user gets them. Every other early-exit
     # configuration is measured with --unsafe-exits: a benchmark reports their quality, and
     # a provider/rule/target whose exits were measured above the target end to end
@@ -116,6 +129,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     _spec_simple("lcpp-ngram-simple", "--spec-type", "ngram-simple"),
     _spec_simple("lcpp-ngram-map-k", "--spec-type", "ngram-map-k"),
     _spec_simple("lcpp-ngram-cache", "--spec-type", "ngram-cache"),
+    # upstream's strongest n-gram drafter, and the n-gram map with values of several tokens
+    _spec_simple("lcpp-ngram-mod", "--spec-type", "ngram-mod"),
+    _spec_simple("lcpp-ngram-map-k4v", "--spec-type", "ngram-map-k4v"),
     # llama.cpp's own plain decoding (llama-lookup drafting nothing): the reference for how
     # far llama.cpp's tools and ours differ numerically (batch shapes, KV size)
     BenchConfig("lcpp-plain", "llama.cpp", True, tool="llama-lookup",

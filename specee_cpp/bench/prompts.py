@@ -31,6 +31,9 @@ class BenchPrompt:
     # conversation the runner builds) and, on a first turn, the turns that follow it
     earlier: tuple[str, ...] = ()
     later: tuple[str, ...] = ()
+    # an edit's original: what the reply will mostly repeat (the configurations that take a
+    # prediction are given it, the others the same prompt without)
+    prediction: str = ""
 
     @property
     def turn(self) -> int:
@@ -111,8 +114,55 @@ def load_humaneval_edit(tasks: str) -> list[BenchPrompt]:
         text = (f"{edit} Reply with the complete edited code in one Python code block.\n\n"
                 f"```python\n{code.rstrip()}\n```")
         out.append(BenchPrompt(id=f"{p.id}:edit", category="code_edit", text=text, chat=True,
-                               task=dict(p.task, edit=True)))
+                               task=dict(p.task, edit=True), prediction=code.strip() + "\n"))
     return out
+
+
+# Prose edits: each asks for the whole text back, changed a little (a near copy) or in
+# places (whole sentences dropped).
+PROSE_EDITS = (
+    "Fix the grammar, spelling and punctuation of this text. Reply with the corrected text "
+    "only.",
+    "Shorten this text by removing its least important sentence. Reply with the shortened "
+    "text only.",
+    "Rewrite this text in the past tense where it is in the present tense. Reply with the "
+    "edited text only.",
+)
+PROSE_CHARS = 900     # a document's opening, cut at a sentence: a reply of ~200 tokens
+PROSE_SOURCES = {"summarization": "Summarize: "}
+
+
+def prose_document(text: str, limit: int = PROSE_CHARS) -> str:
+    """The opening of a document, up to ``limit`` characters, ending at a sentence."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    end = max(cut.rfind(". "), cut.rfind("? "), cut.rfind("! "))
+    return cut[:end + 1] if end > 0 else cut
+
+
+def load_prose_edit(n: str, path: Path = DEV_PROMPTS) -> list[BenchPrompt]:
+    """Edit requests over the news articles of the dev set's summarization prompts (the
+    first ``n``, 0: all): the opening of an article and one request from ``PROSE_EDITS``;
+    the article's opening is the prediction."""
+    try:
+        k = int(n)
+        if k < 0:
+            raise ValueError
+    except ValueError:
+        raise SpeceeError(f"prose-edit takes a number of documents (0: all), got {n!r}") \
+            from None
+    out = []
+    for p in load_spec_bench(path):
+        prefix = PROSE_SOURCES.get(p.source_category)
+        if prefix is None or not p.text.startswith(prefix):
+            continue
+        doc = prose_document(p.text[len(prefix):])
+        edit = PROSE_EDITS[len(out) % len(PROSE_EDITS)]
+        out.append(BenchPrompt(id=f"{p.id}:edit", category="prose_edit",
+                               text=f"{edit}\n\n{doc}", prediction=doc))
+    return out[:k] if k else out
 
 
 def edited_program(text: str) -> str:
@@ -150,8 +200,11 @@ def load_humaneval(tasks: str) -> list[BenchPrompt]:
 
 
 def load(source: str) -> list[BenchPrompt]:
-    """``humaneval:LO-HI``, ``humaneval-edit:LO-HI`` or the path of a Spec-Bench style JSONL
-    file."""
+    """``humaneval:LO-HI``, ``humaneval-edit:LO-HI`` (the original code as the prediction),
+    ``prose-edit:N`` (N dev articles; the article as the prediction) or the path of a
+    Spec-Bench style JSONL file."""
+    if source.startswith("prose-edit:"):
+        return load_prose_edit(source.split(":", 1)[1])
     if source.startswith("humaneval:"):
         return load_humaneval(source.split(":", 1)[1])
     if source.startswith("humaneval-edit:"):

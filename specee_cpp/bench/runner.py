@@ -83,6 +83,7 @@ class Runner:
         self.answers: dict[str, str] = {}
         self.answers_path: Path | None = None
         self.peer_limits: dict[str, int] = {}   # see peer_limit
+        self.unrelated: dict[str, str] = {}      # prompt id -> another prompt's prediction
         for c in configs:
             if c.needs_draft and llm.draft_path is None:
                 raise SpeceeError(f"configuration {c.name} needs a draft model (--draft)")
@@ -138,15 +139,18 @@ class Runner:
         prompt = self.conversation(p)
         if c.kind == "ours":
             llm.reset()  # every configuration pays its own prefill
+            given = {"own": p.prediction, "unrelated": self.unrelated.get(p.id, "")}
+            pred = given.get(c.prediction) or None
             res = llm.generate(prompt, chat=p.chat, stop=p.stop, max_tokens=self.max_tokens,
-                               mode=c.mode, options=c.mode_options)
+                               mode=c.mode, options=c.mode_options, prediction=pred)
             s = res.stats
             agree = None
             if c.mode == "plain" or not c.lossless:  # after the timed part
                 agree = agreement(llm, llm.prompt_tokens(prompt, chat=p.chat), res.tokens)
-            # a draft-then-verify mode (it has a draft length) reports its drafts, even none;
-            # a lossy mode its exits (early exit is how our modes lose)
-            drafts = "gamma" in {f.name for f in fields(c.mode_options)}
+            # a draft-then-verify mode (it has a draft length, or drafts from a prediction)
+            # reports its drafts, even none; a lossy mode its exits (early exit is how our
+            # modes lose)
+            drafts = "gamma" in {f.name for f in fields(c.mode_options)} or bool(pred)
             exits = not modes.get(c.mode).lossless
             return {"text": res.text, "n_prompt": s.n_prompt, "prefill_s": s.prefill_s,
                     "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": s.n_decode,
@@ -156,7 +160,8 @@ class Runner:
                     "n_exit": sum(s.exit_layers.values()) if exits else None,
                     "exit_layer_sum": sum(k * v for k, v in s.exit_layers.items()),
                     "control_s": s.timings.get("control", 0.0),
-                    "finish_reason": s.finish_reason, "agreement": agree}
+                    "finish_reason": s.finish_reason, "agreement": agree,
+                    "prediction": list(s.prediction) if s.prediction is not None else None}
         tokens = llm.prompt_tokens(prompt, chat=p.chat)
         if c.kind == "pld":
             if self._pld is None:
@@ -172,6 +177,11 @@ class Runner:
             warmup: bool = True) -> list[Record]:
         """Measure every (prompt, configuration) not yet in ``out``; returns all records."""
         out = Path(out)
+        # the control's prediction: the next prompt's (in the run's order) that differs
+        preds = [p.prediction for p in prompts]
+        for i, p in enumerate(prompts):
+            other = next((q for q in preds[i + 1:] + preds[:i] if q and q != p.prediction), "")
+            self.unrelated[p.id] = other
         self.answers_path = out.with_suffix(".answers.json")
         if self.answers_path.exists():
             self.answers = json.loads(self.answers_path.read_text(encoding="utf-8"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -20,6 +21,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Fast local LLM decoding on a patched llama.cpp.")
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+
+
+@contextmanager
+def status_line(text: str):
+    """``err.status(text)`` in a terminal; elsewhere (output to a log) the text as a plain
+    line first, since no status line shows there: every wait says what it is for."""
+    if not err.is_terminal:
+        err.print(escape(text), markup=True)
+    with err.status(text) as shown:
+        yield shown
 
 _EXIT_WORDS = {"/exit", "/quit", "/bye"}
 
@@ -208,6 +219,9 @@ def _stats_line(stats, verbose: bool = False) -> str:
         parts.append(f"drafted {stats.n_drafted}, accepted {stats.n_accept} "
                      f"({stats.acceptance:.0%}{_sources(stats.by_source)})" if verbose
                      else f"{stats.acceptance:.0%} of {stats.n_drafted} drafted kept")
+    if stats.prediction is not None:
+        accepted, rejected = stats.prediction
+        parts.append(f"prediction {accepted} of {accepted + rejected} tokens in the reply")
     n_exit = sum(stats.exit_layers.values())
     if n_exit:
         mean = sum(k * v for k, v in stats.exit_layers.items()) / n_exit

@@ -286,8 +286,10 @@ def bench(
     model: Optional[str] = typer.Argument(None, help="Target: registry name or .gguf path."),
     draft: Optional[str] = OptDraft,
     prompts: str = typer.Option(str(DEV_PROMPTS), "--prompts",
-                                help="Spec-Bench style JSONL file, humaneval:LO-HI (completions) "
-                                     "or humaneval-edit:LO-HI (code edits, chat)."),
+                                help="Spec-Bench style JSONL file, humaneval:LO-HI (completions), "
+                                     "humaneval-edit:LO-HI (code edits, chat; the original code is "
+                                     "their prediction) or prose-edit:N (edits of N dev "
+                                     "articles; the article is the prediction)."),
     configs: str = typer.Option("quick", "--configs",
                                 help="Comma-separated configurations or groups (quick, peers, "
                                      "all)."),

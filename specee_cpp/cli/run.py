@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import SpeceeError
 from ..text import checked
 from .common import (ModeFlags, OptCtx, OptDraft, OptGpu, OptMaxTokens, OptSeed, OptTemp,
                      OptThreads, OptTopK, OptTopP, OptVerbose, _EXIT_WORDS, _default_pair, _load,
-                     _load_config, _sampling, app, err, out, print_stats, with_mode_flags)
+                     _load_config, _sampling, app, err, out, print_stats, status_line,
+                     with_mode_flags)
 
 
 @app.command()
@@ -25,6 +29,11 @@ def generate(
         help="Read the prompt from this file (-: standard input), for prompts too long for "
              "a command line."),
     draft: Optional[str] = OptDraft,
+    prediction: Optional[Path] = typer.Option(
+        None, "--prediction",
+        help="A file the reply will mostly repeat (the text being edited): drafted where the "
+             "reply follows it and verified, so greedy output is unchanged (modes plain, "
+             "spec)."),
     max_tokens: int = OptMaxTokens,
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
@@ -40,13 +49,18 @@ def generate(
     from ..engine.steps import Transcript
 
     prompt = _prompt(prompt, prompt_file)
+    predicted = _read_text(prediction, "--prediction") if prediction is not None else None
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
+    if predicted is not None and not m.takes_prediction:
+        raise SpeceeError(f"--prediction: mode {m.name} does not take one (it is lossy); "
+                          f"plain and spec do")
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
-        m.prepare(llm, opts, status=err.status)
+        llm.defer_costs = True   # one answer: no idle time to measure in; chat and serve have
+        m.prepare(llm, opts, status=status_line)
         done = Transcript()
         for step in llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
-                               mode=m, options=opts):
+                               mode=m, options=opts, prediction=predicted):
             done.add(step)
             if not as_json:
                 out.print(step.text, end="", markup=False, soft_wrap=True)
@@ -65,10 +79,16 @@ def _prompt(prompt: str | None, prompt_file: Path | None) -> str:
         raise SpeceeError("give the prompt with -p TEXT or --prompt-file PATH (one of them)")
     if prompt_file is None:
         return prompt
+    return _read_text(prompt_file, "--prompt-file")
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A file's text (``-``: standard input); bytes that are not UTF-8 are refused where the
+    text is tokenized, with their position."""
     try:
-        data = sys.stdin.buffer.read() if str(prompt_file) == "-" else prompt_file.read_bytes()
+        data = sys.stdin.buffer.read() if str(path) == "-" else Path(path).read_bytes()
     except OSError as e:
-        raise SpeceeError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
+        raise SpeceeError(f"cannot read {what} {path}: {e.strerror or e}") from None
     return data.decode("utf-8", errors="surrogateescape")
 
 
@@ -86,7 +106,8 @@ def chat(
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
     flags: ModeFlags = None,
 ) -> None:
-    """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply."""
+    """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply;
+    /predict FILE makes the next reply draft from FILE (the text it will mostly repeat)."""
     from ..engine.steps import Transcript
 
     if system is not None:
@@ -96,18 +117,24 @@ def chat(
     m, opts = flags.resolve(draft)
     llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
     with llm:
-        m.prepare(llm, opts, status=err.status)
+        llm.defer_costs = True
+        m.prepare(llm, opts, status=status_line)
+        idle = _idle(llm, m, opts)
         err.print(f"[bold]{llm.model.path.name}[/bold]"
                   + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
-                  + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply.")
+                  + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply"
+                  + (", /predict FILE for an edit of FILE." if m.takes_prediction else "."))
         messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        predicted: str | None = None   # /predict FILE: for the next reply only
         if hasattr(sys.stdin, "reconfigure"):
             # a line that is not UTF-8 reaches the model's check, which names the byte and
             # keeps the session, instead of ending it in input()
             sys.stdin.reconfigure(errors="surrogateescape")
+        answered = False   # the first question never waits on a slice of measurement
         while True:
             try:
-                user = input("\n> ")
+                with _while_idle(idle if answered else None):
+                    user = input("\n> ")
             except EOFError:
                 break
             except KeyboardInterrupt:
@@ -117,11 +144,15 @@ def chat(
                 break
             if not user.strip():
                 continue
+            if user.strip().split()[0] == "/predict":
+                predicted = _predict_command(user, m)
+                continue
             messages.append({"role": "user", "content": user})
             reply = Transcript()
             try:
+                pred, predicted = predicted, None
                 for step in llm.stream(messages, max_tokens=max_tokens, sampling=sampling,
-                                       mode=m, options=opts):
+                                       mode=m, options=opts, prediction=pred):
                     out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
             except KeyboardInterrupt:
                 err.print("\n[dim](reply stopped)[/dim]", end="")
@@ -130,9 +161,58 @@ def chat(
                 messages.pop()
                 continue
             out.print()
+            answered = True
             messages.append({"role": "assistant", "content": reply.text})
             if reply.stats is not None:
                 print_stats(reply.stats, verbose)
+
+
+def _idle(llm, m, opts):
+    """The cost measurement chat runs while it waits for input (speculative/idle.py), or
+    None; its lines go to stderr, dim in a terminal."""
+    from ..speculative.mode import idle_work
+
+    return idle_work(llm, m, opts, log=lambda line: err.print(f"[dim]({escape(line)})[/dim]"))
+
+
+@contextmanager
+def _while_idle(idle):
+    """Run ``idle``'s slices on a helper thread for the duration of the block (the user
+    typing), then stop them and wait for the one in flight: the models are the reply's
+    again."""
+    if idle is None or not idle.pending():
+        yield
+        return
+    stop = threading.Event()
+    worker = threading.Thread(target=idle.run, args=(stop.is_set,), daemon=True,
+                              name="specee-cpp-idle-costs")
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+
+
+def _predict_command(line: str, m) -> str | None:
+    """``/predict FILE``: the file's text for the next reply (None, said why, where it
+    cannot be used)."""
+    path = line.strip()[len("/predict"):].strip()
+    if not path:
+        err.print("[dim]/predict FILE: the next reply drafts from FILE (the text your request "
+                  "edits)[/dim]")
+        return None
+    if not m.takes_prediction:
+        err.print(f"[red]error:[/red] /predict: mode {m.name} does not take a prediction; "
+                  f"plain and spec do")
+        return None
+    try:
+        text = _read_text(Path(path).expanduser(), "/predict")
+    except SpeceeError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True)
+        return None
+    err.print(f"[dim](the next reply drafts from {path}, {len(text)} characters)[/dim]")
+    return text
 
 
 @app.command()
@@ -188,7 +268,8 @@ def serve(
         raise SpeceeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     llm = _load(model, draft, config)
     with llm:
-        m.prepare(llm, opts, status=err.status)
+        llm.defer_costs = True   # measured between requests (speculative/idle.py)
+        m.prepare(llm, opts, status=status_line)
         cfg = ServeConfig(model_name=Path(model).stem if model.endswith(".gguf") else model,
                           mode=m, options=opts, sampling=sampling, api_key=api_key,
                           max_queue=max_queue)

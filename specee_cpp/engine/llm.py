@@ -140,6 +140,10 @@ class LLM:
         self.draft_flash_attn: bool | None = None
         self._template: ChatTemplate | None = None
         self._cache: dict[tuple, Any] = {}       # see cached()
+        # a speculative run on a machine whose costs are not measured yet starts at once,
+        # the measurement left to idle time (speculative/idle.py); the CLI's chat, generate
+        # and serve set it, a script and the benchmark measure first
+        self.defer_costs = False
         # the x86 kernels' weight read-ahead, as measured for this model on this machine, and
         # the kernels that read its prompts where measured (else upstream's)
         self.read_ahead = read_ahead(self)
@@ -270,16 +274,41 @@ class LLM:
         """Set what :meth:`cached` returns for ``key`` (a mode's override)."""
         self._cache[key] = value
 
+    def prediction_tokens(self, prediction: str | list[int]) -> list[int]:
+        """Token ids of a predicted output: text (tokenized as the reply's text, no special
+        tokens) or ids (as they are); refused where it could not fit the context."""
+        if isinstance(prediction, str):
+            tokens = self.model.tokenize(checked(prediction, "the prediction"),
+                                         add_special=False, parse_special=False)
+        elif isinstance(prediction, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in prediction):
+            tokens = list(prediction)
+            bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+            if bad:
+                raise SpeceeError(f"prediction: token id {bad[0]} is outside the vocabulary "
+                                  f"of {self.model.n_vocab}")
+        else:
+            raise SpeceeError(f"prediction: text or a list of token ids, got "
+                              f"{type(prediction).__name__}")
+        if len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"prediction of {len(tokens)} tokens is longer than the "
+                                       f"context of {self.n_ctx}")
+        return tokens
+
     def stream(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig = SamplingConfig(), stop: Seq[str] = (),
                chat: bool = True, mode: str | Mode = "plain", options: Any = None,
-               ignore_eos: bool = False, **mode_options: Any) -> Iterator[Step]:
+               ignore_eos: bool = False, prediction: str | list[int] | None = None,
+               **mode_options: Any) -> Iterator[Step]:
         """Generate from ``prompt``, yielding one :class:`Step` per token; the last step
         carries ``finish_reason`` and ``stats``. ``mode``: a registered mode's name (plain,
         spec, ee, ...) or object; its options either as ``options`` (the mode's Options
         dataclass) or as keywords, e.g. ``mode="spec", gamma=4``. ``ignore_eos``: run to
         ``max_tokens`` past end-of-generation tokens (fixed-length load tests, as llama.cpp's
-        server offers)."""
+        server offers). ``prediction``: the reply expected, or most of it (the text an edit
+        starts from): drafted where the reply follows it and verified, so greedy output is
+        plain decoding's; ``stats.prediction`` counts its tokens that appear in the reply
+        and those that do not."""
         m = modes.get(mode) if isinstance(mode, str) else mode
         if options is not None and mode_options:
             raise SpeceeError("pass the mode's options either as options= or as keywords, "
@@ -291,12 +320,19 @@ class LLM:
         if max_tokens < 1:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
         m.check(self, sampling)
+        predicted = self.prediction_tokens(prediction) if prediction is not None else []
+        if predicted and not m.takes_prediction:
+            raise SpeceeError(f"prediction: mode {m.name} does not take one (it is lossy; "
+                              f"the modes that verify drafts at full depth do: plain, spec)")
         start = m.start(self, sampling, opts)   # fails here, before any decoding
         tokens = self.prompt_tokens(prompt, chat=chat)
         check_fits(len(tokens), max_tokens, self.n_ctx)
         is_eog = (lambda t: False) if ignore_eos else self.model.is_eog
-        return stream(start(tokens, max_tokens), piece=self.model.token_to_piece, is_eog=is_eog,
-                      max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop))
+        steps = start(tokens, max_tokens, prediction=predicted) if predicted \
+            else start(tokens, max_tokens)
+        return stream(steps, piece=self.model.token_to_piece, is_eog=is_eog,
+                      max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop),
+                      prediction=predicted if prediction is not None else None)
 
     def generate(self, prompt: Prompt, **kw) -> Result:
         """Run :meth:`stream` to the end and return the text, token ids and statistics."""

@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from .steps import Step
 
 # (prompt tokens, most new tokens) -> steps; the limit lets a drafting mode keep its drafts
-# within what will be emitted (verifying a token past it is time thrown away)
-Start = Callable[[list[int], int], Iterator["Step"]]
+# within what will be emitted (verifying a token past it is time thrown away). A mode that
+# takes a prediction (``Mode.takes_prediction``) is also called with ``prediction=`` the
+# caller's predicted output's token ids.
+Start = Callable[..., Iterator["Step"]]
 
 
 def no_status(text: str):
@@ -48,6 +50,9 @@ class Mode:
     # decodes greedily only (early exit picks a token at an exit layer: no distribution to
     # sample from that is the model's)
     greedy_only: ClassVar[bool] = False
+    # drafts from the caller's predicted output (OpenAI's ``prediction``), verified as any
+    # draft: the lossless modes
+    takes_prediction: ClassVar[bool] = False
     help: ClassVar[str] = ""
 
     def options(self, **given: Any):

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .modes import Mode, register
 from .sampling import Picker, make_picker
-from .steps import Step
+from .steps import Step, with_note
 
 if TYPE_CHECKING:  # the plain mode registers without loading libllama
     from .sequence import Sequence
@@ -29,15 +29,38 @@ def generate_plain(seq: Sequence, prompt: list[int], pick: Picker) -> Iterator[S
         timings = {"decode": time.perf_counter() - t0}
 
 
+def generate_predicted(llm, prompt: list[int], prediction: list[int], sampling,
+                       max_new: int) -> Iterator[Step]:
+    """Plain decoding that drafts from the caller's predicted output where the output follows
+    it, each draft verified by the target in one batch (the speculative loop without a draft
+    model), priced without this machine's table at the dearest verification measured
+    anywhere (speculative/prediction.py)."""
+    from ..speculative.context_drafter import ContextSource
+    from ..speculative.decode import generate_spec
+    from ..speculative.prediction import Prediction
+
+    context = ContextSource(None, prediction=Prediction(prediction), is_eog=llm.model.is_eog)
+    return with_note(generate_spec(llm.tgt.seq, None, prompt, 0, sampling, context=context,
+                                   max_new=max_new, is_eog=llm.model.is_eog),
+                     "plain, with drafts from the prediction")
+
+
 class Plain(Mode):
     """The reference every other mode is measured (and, if lossless, checked) against."""
 
     name = "plain"
     help = "one target decode per token"
+    takes_prediction = True
 
     def start(self, llm, sampling, opts):
         pick = make_picker(sampling)
-        return lambda tokens, max_new: generate_plain(llm.tgt.seq, tokens, pick)
+
+        def run(tokens, max_new, prediction=None):
+            if prediction:
+                return generate_predicted(llm, tokens, prediction, sampling, max_new)
+            return generate_plain(llm.tgt.seq, tokens, pick)
+
+        return run
 
 
 PLAIN = register(Plain())

@@ -74,6 +74,22 @@ def choose(seen: dict) -> bool:
     return seen["ours"] < (1.0 - PROMPT_KERNEL_MARGIN) * seen["upstream"]
 
 
+def prompt_kernels_known(llm) -> bool:
+    """Whether the prompt kernels of ``llm``'s target are measured on this machine (or no
+    switch applies to it): a cost table keyed by them can be looked up."""
+    from ..provenance import machine
+
+    names = _applies(llm)
+    if not names:
+        return True
+    try:
+        seen = json.loads(_cache(llm.model.path, machine(llm.config.threads))
+                          .read_text(encoding="utf-8"))
+        return all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
 def _cache(model_path, where: dict):
     from ..provenance import machine_id
 

@@ -35,6 +35,9 @@ class Stats:
     timings: dict[str, float] = field(default_factory=dict)     # seconds by phase
     finish_reason: str = "length"
     note: str = ""                # the mode's note (spec: which draft, or why none)
+    # with a predicted output: its tokens that appear in the output and those that do not
+    # (OpenAI's accepted_/rejected_prediction_tokens); None without one
+    prediction: tuple[int, int] | None = None
 
     @property
     def decode_tps(self) -> float:
@@ -63,6 +66,8 @@ class Stats:
             "exit_layers": {str(k): v for k, v in sorted(self.exit_layers.items())},
             "timings": {k: round(v, 6) for k, v in self.timings.items()},
             "finish_reason": self.finish_reason, "note": self.note,
+            **({"prediction": {"accepted": self.prediction[0], "rejected": self.prediction[1]}}
+               if self.prediction is not None else {}),
         }
 
 
@@ -109,14 +114,19 @@ def stop_at(text: str, stop: tuple[str, ...]) -> int | None:
 
 
 def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Callable[[int], bool],
-           max_tokens: int, n_prompt: int, stop: tuple[str, ...] = ()) -> Iterator[Step]:
+           max_tokens: int, n_prompt: int, stop: tuple[str, ...] = (),
+           prediction: list[int] | None = None) -> Iterator[Step]:
     """Run a strategy until an end-of-generation token, ``max_tokens`` or a stop string.
 
     Yields each step with its text piece; the last step carries ``finish_reason`` and
     ``stats``. An end-of-generation token is reported in the last step with empty text and
     is not counted in ``n_gen``. Text that might be the start of a stop string is held back
-    until it is known not to be.
+    until it is known not to be. With ``prediction`` (the caller's predicted output's
+    tokens) the stats count its tokens that appear in the output.
     """
+    from ..speculative.prediction import prediction_usage
+
+    emitted: list[int] = []   # with a prediction: the output's tokens
     detok = Detokenizer(piece)
     hold = max((len(s) for s in stop), default=1) - 1
     pending = ""                      # text not yet released (possible stop-string prefix)
@@ -136,7 +146,8 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                       accept_by_pos=[list(x) for x in by_pos],
                       by_source={k: list(v) for k, v in by_source.items()},
                       exit_layers=dict(exits), timings=dict(totals), finish_reason=reason,
-                      note=note)
+                      note=note, prediction=prediction_usage(prediction, emitted)
+                      if prediction is not None else None)
         return replace(step, text=text, finish_reason=reason, stats=stats)
 
     it = iter(steps)
@@ -160,6 +171,8 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                 yield finish(step, pending + detok.flush(), "stop")
                 return
             n_gen += 1
+            if prediction is not None:
+                emitted.append(step.token)
             if step.exit_layer is not None:
                 exits[step.exit_layer] += 1
             pending += detok.add(step.token)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -27,7 +28,7 @@ from ..engine import modes
 from ..engine.llm import LLM, check_fits
 from ..engine.modes import Mode
 from ..engine.steps import Stats, Step, Transcript
-from ..errors import SpeceeError
+from ..errors import FieldError, SpeceeError
 from ..speculative.mode import parse_gamma
 from .errors import error, error_body
 from .limits import Gate
@@ -116,7 +117,7 @@ async def _full(request: Request, exc: QueueFull):
 
 
 async def _refused(request: Request, exc: SpeceeError):
-    return error(400, str(exc))
+    return error(400, str(exc), param=getattr(exc, "param", None))
 
 
 async def _bug(request: Request, exc: Exception):
@@ -155,9 +156,19 @@ class Server:
         if limit is None:   # chat: up to the context's end; completions: OpenAI's 16
             limit = max(llm.n_ctx - n_prompt, 1) if chat else DEFAULT_COMPLETION_TOKENS
         check_fits(n_prompt, limit, llm.n_ctx)
+        predicted = None
+        if body.prediction is not None:
+            if not mode.takes_prediction:
+                raise FieldError("prediction", f"prediction: mode {mode.name} does not take "
+                                 f"one (it is lossy); plain and spec do")
+            try:
+                predicted = llm.prediction_tokens(body.prediction.text())
+            except SpeceeError as e:
+                raise FieldError("prediction", str(e)) from None
         return Job(prompt=tokens, max_tokens=limit, sampling=sampling,
                    stops=body.stops(), mode=mode, options=options,
-                   ignore_eos=bool(body.specee and body.specee.ignore_eos))
+                   ignore_eos=bool(body.specee and body.specee.ignore_eos),
+                   prediction=predicted)
 
     def mode_of(self, extra: Extra | None) -> tuple[Mode, Any]:
         cfg = self.cfg
@@ -276,7 +287,11 @@ async def completions(body: CompletionRequest, request: Request,
 
 def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     """The app serving ``llm``; one worker thread runs its requests in arrival order."""
-    worker = Worker(llm, max_queue=cfg.max_queue)
+    from ..speculative.mode import idle_work
+
+    idle = idle_work(llm, cfg.mode, cfg.options,
+                     log=lambda line: print(f"specee-cpp: {line}", file=sys.stderr, flush=True))
+    worker = Worker(llm, max_queue=cfg.max_queue, idle=idle)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -361,7 +376,12 @@ def _response(done: Transcript, job: Job, ids: dict, chat: bool) -> dict:
 
 def _usage(stats: Stats | None) -> dict:
     p, c = (stats.n_prompt, stats.n_gen) if stats else (0, 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if stats is not None and stats.prediction is not None:
+        accepted, rejected = stats.prediction
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": rejected}
+    return usage
 
 
 def _created(llm: LLM) -> int:

@@ -37,6 +37,21 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class PredictedOutput(BaseModel):
+    """OpenAI's Predicted Outputs: text the reply is expected to repeat for the most part
+    (an edit's original), drafted and verified, so greedy output is unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -58,6 +73,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     logprobs: Union[bool, int, None] = None
     logit_bias: Optional[dict] = None
+    prediction: Optional[PredictedOutput] = None
     specee: Optional[Extra] = None
 
     @model_validator(mode="after")

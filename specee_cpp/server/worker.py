@@ -27,6 +27,8 @@ from ..errors import SpeceeError
 log = logging.getLogger("specee_cpp.server")
 
 END = object()          # the last item a job's event queue receives
+# seconds without a request after start before the cost measurement takes idle time
+IDLE_START_S = 30.0
 
 
 class QueueFull(SpeceeError):
@@ -48,6 +50,7 @@ class Job:
     mode: Mode
     options: Any
     ignore_eos: bool = False
+    prediction: list[int] | None = None   # the predicted output's token ids
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Step | Exception | END
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -80,10 +83,12 @@ class Counters:
 class Worker:
     """Owns ``llm``; runs queued jobs one at a time on its own thread."""
 
-    def __init__(self, llm: LLM, max_queue: int = 16):
+    def __init__(self, llm: LLM, max_queue: int = 16, idle=None):
         if max_queue < 1:
             raise SpeceeError(f"--max-queue must be at least 1, got {max_queue}")
         self.llm = llm
+        # the machine's costs, measured between requests (speculative/idle.py), or None
+        self.idle = idle
         self.max_queue = max_queue
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self._busy: Job | None = None
@@ -135,8 +140,10 @@ class Worker:
     # ---- the worker thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        served = False
         while True:
-            job = self._jobs.get()
+            job = self._next(served)
+            served = True
             if job is None:
                 return
             if job.cancel.is_set():          # its client left while it waited
@@ -152,6 +159,20 @@ class Worker:
                 self._recent.append(time.perf_counter() - t0)
                 job.put(END)
 
+    def _next(self, served: bool):
+        """The next job (None: close). While none waits, the cost measurement takes the idle
+        time one timed sample at a time (a request that arrives waits for the sample in
+        flight only); before the first request only once none came for IDLE_START_S, so a
+        client that starts with the server gets its first answer at once."""
+        if self.idle is not None and self._jobs.empty():
+            if not served:
+                try:
+                    return self._jobs.get(timeout=IDLE_START_S)
+                except queue.Empty:
+                    pass
+            self.idle.run(stop=lambda: not self._jobs.empty())
+        return self._jobs.get()
+
     def _generate(self, job: Job) -> None:
         after_cancel = 0
         try:
@@ -159,7 +180,7 @@ class Worker:
             steps = self.llm.stream(job.prompt, max_tokens=job.max_tokens,
                                     sampling=job.sampling, stop=job.stops,
                                     mode=job.mode, options=job.options,
-                                    ignore_eos=job.ignore_eos)
+                                    ignore_eos=job.ignore_eos, prediction=job.prediction)
             try:
                 # checked before each step is asked for (asking is what decodes), and after:
                 # the step in flight when the client left is the only one it pays for

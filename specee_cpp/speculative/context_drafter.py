@@ -19,6 +19,7 @@ import numpy as np
 from ..config import (BANDS, COPY_GRAM, COPY_PRIOR, FOLLOW_HITS, FOLLOW_MIN, HIT_ALPHA, HIT_PRIOR,
                       MAX_FREE_VERIFY, MAX_VERIFY, TRIE_DEPTH)
 from .acceptance import Correction
+from .prediction import Prediction, assumed_costs
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,13 @@ class ContextSource:
     ``history``, if given, is a trie over the user's earlier outputs (speculative/history.py): where
     its match with the current context is longer than the context's own, it proposes
     instead, with Beta posteriors of its own (the copy model is fitted on the context's
-    drafts only)."""
+    drafts only).
+
+    ``prediction``, if given, is the caller's predicted output (speculative/prediction.py):
+    while the output follows it, its continuation is a third candidate, taken where it is
+    expected to beat the others. Without a cost table (``costs`` None: plain mode) the
+    prediction is the only source, priced at the dearest verification rows measured
+    anywhere."""
 
     BANDS, COPY_PRIOR, HIT_ALPHA, HIT_PRIOR = BANDS, COPY_PRIOR, HIT_ALPHA, HIT_PRIOR   # config
 
@@ -168,10 +175,11 @@ class ContextSource:
                  history: SuffixTrie | None = None, model=None,
                  follow_max: int = MAX_FREE_VERIFY - 1,
                  is_eog: Callable[[int], bool] | None = None, guard=None,
-                 verify_scale=None):
+                 verify_scale=None, prediction: Prediction | None = None):
         from .cost import as_table
 
         self.table = as_table(costs) if costs is not None else None
+        self.prediction = prediction
         self.trie = SuffixTrie(depth)
         self.history = history
         self.model = model
@@ -232,7 +240,11 @@ class ContextSource:
         """Add ``tokens`` to the context. ``emitted`` tokens (decoded, not the prompt) are
         first checked one by one against the trie's first guess at their position, which
         keeps the recent hit rate and the current run of hits (a few dictionary lookups a
-        token)."""
+        token), and advance the prediction."""
+        if emitted and self.prediction is not None:
+            self.prediction.observe(tokens)
+        if self.table is None:
+            return   # the prediction alone drafts
         if not emitted:
             self.n_given += len(tokens)
             for t in tokens:
@@ -249,6 +261,12 @@ class ContextSource:
             self.run = self.run + 1 if hit else 0
             self._follow(t)
             self.trie.extend([t])
+
+    def output_began(self, token: int) -> None:
+        """The output's first token (added to the context with the prompt, whose logits gave
+        it): the prediction is followed from there."""
+        if self.prediction is not None:
+            self.prediction.observe([token])
 
     # A long copy in progress (its last FOLLOW_MIN tokens repeat an earlier stretch
     # token for token, and the trie's first guesses have been right >= FOLLOW_HITS of the
@@ -292,8 +310,9 @@ class ContextSource:
 
     @property
     def source(self) -> str:
-        """Where the last plan's draft came from: this context or the history store."""
-        return "history" if self._src == 1 else "context"
+        """Where the last plan's draft came from: this context, the history store or the
+        prediction."""
+        return ("context", "history", "prediction")[self._src]
 
     def features(self, prop: Proposal) -> np.ndarray:
         """The copy model's inputs for ``prop`` in this state (``copy_features``); the overall
@@ -367,9 +386,26 @@ class ContextSource:
             self.expected_tps, self._src, self._band = best, 0, len(self.BANDS)
         return own[:best_g]
 
+    def _from_prediction(self, costs, room: int) -> tuple[list[int], float]:
+        """The prediction's continuation as far as it pays, with its expected tokens per
+        second (empty: the output is not in the prediction, or drafting it cannot pay)."""
+        if self.prediction is None:
+            return [], 0.0
+        tokens, p = self.prediction.continuation(room)
+        if not tokens:
+            return [], 0.0
+        g, tps = best_prefix(1.0 + np.cumsum(np.cumprod(p)), costs)
+        return tokens[:g], tps
+
     def plan(self, n_context: int, room: int | None = None) -> list[int]:
         """This round's free draft for a cache of ``n_context`` tokens, at most ``room``
         tokens (the caller's limit); empty: plain decoding pays more."""
+        if self.table is None:   # the prediction alone, at prices safe on any machine
+            room = self.follow_max if room is None else room
+            costs = assumed_costs()
+            pred, tps = self._from_prediction(costs, room)
+            self.expected_tps, self._src = (tps, 2) if pred else (1.0 / costs.plain, 0)
+            return pred
         costs = self._at = self.table.at(n_context)
         if self.verify_scale is not None:
             costs = self.verify_scale.apply(costs)
@@ -382,9 +418,13 @@ class ContextSource:
         if room < 1:
             return []
         self._short = False
+        pred, pred_tps = self._from_prediction(costs, room)
         long = self._long_copy(costs, room)
-        if long:
+        if long and (not pred or self.expected_tps >= pred_tps):
             return long
+        if pred:   # the trie's short drafts are no rival for a prediction that pays
+            self.expected_tps, self._src = pred_tps, 2
+            return pred
         prop = self.propose()
         tokens = self.to_end(prop.tokens[:room])
         if not tokens:
@@ -406,6 +446,9 @@ class ContextSource:
         if n_drafted:
             if self.verify_scale is not None and self._at is not None:
                 self.verify_scale.observe(self._at, n_drafted + 1, seconds)
+            if self._src == 2:
+                self.prediction.learn(n_drafted, n_accept)
+                return
             self.beta[self._src][self._band][0] += n_accept
             self.beta[self._src][self._band][1] += n_accept < n_drafted
             if self._short and self.correction is not None and self._raw is not None:

@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -278,13 +278,13 @@ def cache_path(key: str) -> Path:
     return home() / "costs" / f"{key}.json"
 
 
-def load_or_measure(key: str, measure) -> CostTable:
-    """The cached table for ``key`` (model files, machine, method), measured on first use."""
-    path = cache_path(key)
+def load_cached(key: str) -> CostTable | None:
+    """The cached table for ``key`` (model files, machine, method); None where there is none
+    (or a torn one, or another layout of the file: measured again)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or torn: measure
-        data = None
+        data = json.loads(cache_path(key).read_text())
+    except (OSError, ValueError):
+        return None
     names = {f.name for f in fields(CostModel)}
     if isinstance(data, dict) and isinstance(data.get("points"), list) and data["points"] \
             and all(isinstance(p, dict) and set(p) <= names
@@ -294,11 +294,21 @@ def load_or_measure(key: str, measure) -> CostTable:
                          machine=data.get("machine", {}),
                          draft_flash_attn=fa if isinstance(fa, bool) else None,
                          draft_attention=data.get("draft_attention") or {})
-    # anything else (another layout of the file) is measured again and replaced
-    table = as_table(measure())
+    return None
+
+
+def store(key: str, table) -> CostTable:
+    """Cache ``table`` (a CostModel or CostTable) under ``key``; returns it as a table."""
+    table = as_table(table)
     table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
-    write_text_atomic(path, json.dumps(asdict(table)))
+    write_text_atomic(cache_path(key), json.dumps(asdict(table)))
     return table
+
+
+def load_or_measure(key: str, measure) -> CostTable:
+    """The cached table for ``key`` (model files, machine, method), measured on first use."""
+    table = load_cached(key)
+    return table if table is not None else store(key, measure())
 
 
 MEASURE_VERSION = 11  # part of the cache key: a changed method measures again (7: long
@@ -321,17 +331,39 @@ def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=COST_CONTEXTS,
     """:func:`measure` at each context the caches can hold (fewer in a small context);
     ``progress`` is told where it is (a first chat turn waits for all of it: 1 min 45 s
     with the default pair on the 2-core EPYC)."""
+    state: dict = {}
+    for _ in measure_table_steps(tgt_seq, dft_seq, tokens, state, contexts, repeats, progress):
+        pass
+    return table_from(state)
+
+
+def measure_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
+                        contexts=COST_CONTEXTS, repeats: int = 5,
+                        progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+    """:func:`measure_table` one timed sample at a time: yields after each (saying what
+    it measured) with everything taken so far in ``state`` (JSON-ready). Given the state of
+    a stopped measurement it takes only the samples still missing, so a measurement can run
+    in the slices of time where nobody waits on the models and resume in a later process."""
     room = min(tgt_seq.ctx.n_ctx, dft_seq.ctx.n_ctx) - max(N_MAX, *long_sizes(tgt_seq)) - 1
     fits = sorted({min(c, room) for c in contexts})
+    points = state.setdefault("points", [{} for _ in fits])
+    if len(points) != len(fits):   # another context size: its samples do not apply
+        points[:] = [{} for _ in fits]
 
     def at(i: int, c: int):
-        if progress is None:
-            return None
-        return lambda what: progress(f"context {i + 1}/{len(fits)} ({c} tokens): {what}")
+        return lambda what: progress(f"context {i + 1}/{len(fits)} ({c} tokens): {what}") \
+            if progress is not None else None
 
     # the longer contexts with fewer repeats: they refine the first
-    return CostTable([measure(tgt_seq, dft_seq, tokens, repeats if i == 0 else max(1, repeats - 2),
-                              n_context=c, progress=at(i, c)) for i, c in enumerate(fits)])
+    for i, c in enumerate(fits):
+        yield from measure_steps(tgt_seq, dft_seq, tokens, points[i],
+                                 repeats if i == 0 else max(1, repeats - 2), n_context=c,
+                                 progress=at(i, c))
+
+
+def table_from(state: dict) -> CostTable:
+    """The table of a complete :func:`measure_table_steps` state."""
+    return CostTable([model_from(p) for p in state["points"]])
 
 
 def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
@@ -354,17 +386,39 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     10-30% from one measurement to the next, plain tokens (memory bound) and batches
     (compute bound) being slowed by different neighbours.
     Medians of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
+    state: dict = {}
+    for _ in measure_steps(tgt_seq, dft_seq, tokens, state, repeats, n_context, clock,
+                           progress):
+        pass
+    return model_from(state)
+
+
+def measure_steps(tgt_seq, dft_seq, tokens: list[int], state: dict, repeats: int = 5,
+                  n_context: int = COST_CONTEXTS[0], clock=time.perf_counter,
+                  progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+    """:func:`measure` one timed sample at a time, its samples kept in ``state`` (see
+    :func:`measure_table_steps`); :func:`model_from` makes the CostModel of a complete
+    state. Each (re)start warms up and fills the caches untimed; both are left holding
+    ``tokens`` when it completes."""
     longs = long_sizes(tgt_seq)
     biggest = max(N_MAX, *longs)
     n = min(n_context, tgt_seq.ctx.n_ctx - biggest - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
     context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]
     filler = (tokens * (biggest // max(len(tokens), 1) + 1))[:biggest]
+    state.setdefault("context", len(context))
+    state.setdefault("long_sizes", longs)
+    refs = state.setdefault("refs", [])      # every plain reference token, for the scale
+    plain = state.setdefault("plain", [])
+    batch = state.setdefault("batch", {})    # n -> ratios to each sample's own reference
+    first = state.setdefault("first", [])
+    single = state.setdefault("single", [])
+    long_r = state.setdefault("long", {})
+    say = progress or (lambda what: None)
     tgt_seq.prefill(context)
     base_t = len(tgt_seq.tokens)
     for k in (1, N_MAX):  # warm-up
         tgt_seq.decode_greedy(filler[:k])   # as greedy verification reads it
         tgt_seq.rewind(base_t)
-    refs: list[float] = []   # every plain reference token, for the scale
 
     def reference() -> float:
         """One plain step (decode, the argmax read in C) at the measured context."""
@@ -376,24 +430,22 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
         refs.append(dt)
         return dt
 
-    plain = []
-    for _ in range(repeats):
+    while len(plain) < repeats:
         t0 = clock()
         for t in filler[:4]:
             tgt_seq.decode([t])   # as greedy plain decoding runs: the argmax read in C
             tgt_seq.argmax()
         plain.append((clock() - t0) / 4)
         tgt_seq.rewind(base_t)
+        yield "plain steps"
     dft_seq.prefill(context)
     base_d = len(dft_seq.tokens)
     dft_seq.feed(filler[:2])
     dft_seq.rewind(base_d)
-    batch, first, single = [], [], []   # ratios to each sample's own reference
-    say = progress or (lambda what: None)
     for k in range(1, N_MAX + 1):
-        say(f"rounds drafting {k - 1} of {N_MAX - 1}")
-        runs = []
-        for _ in range(repeats):
+        runs = batch.setdefault(str(k), [])
+        while len(runs) < repeats:
+            say(f"rounds drafting {k - 1} of {N_MAX - 1}")
             ref = reference()
             t0 = clock()
             # each draft decode read as a greedy round reads it: token and confidence in C
@@ -413,29 +465,38 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
                 single.append((t2 - t1) / (k - 2) / ref)
             tgt_seq.rewind(base_t)
             dft_seq.rewind(base_d)
-        batch.append(float(np.median(runs)))
+            yield f"a round drafting {k - 1}"
     # longer batches (free drafts, no draft decodes before them), fewer repeats: they cost
     # up to ~25 plain tokens each
-    long_r = []
     for k in longs:
-        say(f"a batch of {k} (longer free drafts)")
-        tgt_seq.decode_greedy(filler[:k])   # warm-up: its graph shape
-        tgt_seq.rewind(base_t)
-        runs = []
-        for _ in range(max(1, (repeats + 1) // 2)):
+        runs = long_r.setdefault(str(k), [])
+        if len(runs) < max(1, (repeats + 1) // 2):
+            say(f"a batch of {k} (longer free drafts)")
+            tgt_seq.decode_greedy(filler[:k])   # warm-up: its graph shape
+            tgt_seq.rewind(base_t)
+        while len(runs) < max(1, (repeats + 1) // 2):
             ref = reference()
             t0 = clock()
             tgt_seq.decode_greedy(filler[:k])
             runs.append((clock() - t0) / ref)
             tgt_seq.rewind(base_t)
-        long_r.append(float(np.median(runs)))
+            yield f"a batch of {k}"
     # the context starts with ``tokens``: leave both caches holding exactly them
     tgt_seq.rewind(len(tokens))
     dft_seq.rewind(len(tokens))
-    # the scale: every plain token timed (the references and the runs of four)
-    unit = float(np.median(refs + plain))
+
+
+def model_from(state: dict) -> CostModel:
+    """The CostModel of a complete :func:`measure_steps` state: each kind's median ratio to
+    its reference, scaled by the median of every plain token timed (the references and the
+    runs of four)."""
+    unit = float(np.median(state["refs"] + state["plain"]))
+    longs = state["long_sizes"]
+    batch = [float(np.median(state["batch"][str(k)])) for k in range(1, N_MAX + 1)]
     return CostModel(target_batch_s=[r * unit for r in batch],
-                     draft_token_s=float(np.median(single)) * unit,
+                     draft_token_s=float(np.median(state["single"])) * unit,
                      plain_token_s=unit,
-                     draft_first_s=float(np.median(first)) * unit, context=len(context),
-                     long_sizes=longs, long_batch_s=[r * unit for r in long_r])
+                     draft_first_s=float(np.median(state["first"])) * unit,
+                     context=state["context"], long_sizes=longs,
+                     long_batch_s=[float(np.median(state["long"][str(k)])) * unit
+                                   for k in longs])

@@ -198,6 +198,7 @@ class SpecLoop:
         token, _ = self.choose(self.tgt)
         if self.context is not None:
             self.context.extend(prompt + [token])
+            self.context.output_began(token)
         if self.dft is not None:
             n_read = len(prompt) - min(common_prefix(self.dft.tokens, prompt), len(prompt) - 1)
             room = draft_room(self.max_new, 1)

@@ -73,6 +73,7 @@ class PairState:
     guards: dict[tuple, Any] = field(default_factory=dict)        # (kind, opts) -> Guard
     corrections: dict[tuple, Any] = field(default_factory=dict)   # (kind, opts) -> Correction
     verify_scales: dict[int, Any] = field(default_factory=dict)   # id(costs) -> VerifyScale
+    idle: Any = None                   # idle.IdleCosts: the table measured in idle time
 
     @staticmethod
     def get(table: dict, key, make: Callable[[], Any]) -> Any:
@@ -100,6 +101,30 @@ def base_sha256(llm) -> str:
     return PairState.get(pair_state(llm).base_sha256, base, lambda: file_sha256(base))
 
 
+def cost_key(llm, measure: bool = True, progress=None) -> tuple[str, dict] | None:
+    """(cache key, machine record) of the pair's cost table on this machine. The kernels that
+    read prompts come first (the table's prices of reading one are theirs): measured now
+    where ``measure``, else None while they are not measured yet."""
+    from ..bindings import kernel_switch
+    from ..engine.prompt_kernels import prompt_kernels, prompt_kernels_known
+    from ..provenance import machine, machine_id
+    from .cost import MEASURE_VERSION
+
+    if not measure and not prompt_kernels_known(llm):
+        return None
+    llm.prompt_kernels = prompt_kernels(llm, measure=measure, progress=progress)
+    # the machine (CPU features, build, threads, AMX switch) is part of the key, and so
+    # are the kernel choices measured for this target: a cache copied to another
+    # machine, a rebuilt library or another choice measures again
+    where = machine(llm.config.threads)
+    chosen = [f"READ_AHEAD={llm.read_ahead[0]}"] if llm.read_ahead[0] is not None else []
+    chosen += [f"{name}={kernel_switch(name)}" for name in llm.prompt_kernels]
+    if chosen:
+        where = {**where, "kernels": "; ".join(chosen)}
+    return (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
+            f"-m{machine_id(where)}-v{MEASURE_VERSION}"), where
+
+
 def cost_model(llm, progress=None):
     """This machine's speculative cost table for the loaded pair, at a short and a long
     context (measured on first use, 1.5-2 min with the default pair on 2 cores, telling
@@ -111,23 +136,9 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..config import COST_PROMPT
-        from ..bindings import kernel_switch
-        from ..engine.prompt_kernels import prompt_kernels
-        from ..provenance import machine, machine_id
-        from .cost import MEASURE_VERSION, load_or_measure, measure_table
+        from .cost import load_or_measure, measure_table
 
-        # the kernels that read prompts first: the table's prices of reading one are theirs
-        llm.prompt_kernels = prompt_kernels(llm, measure=True, progress=progress)
-        # the machine (CPU features, build, threads, AMX switch) is part of the key, and so
-        # are the kernel choices measured for this target: a cache copied to another
-        # machine, a rebuilt library or another choice measures again
-        where = machine(llm.config.threads)
-        chosen = [f"READ_AHEAD={llm.read_ahead[0]}"] if llm.read_ahead[0] is not None else []
-        chosen += [f"{name}={kernel_switch(name)}" for name in llm.prompt_kernels]
-        if chosen:
-            where = {**where, "kernels": "; ".join(chosen)}
-        key = (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
-               f"-m{machine_id(where)}-v{MEASURE_VERSION}")
+        key, where = cost_key(llm, measure=True, progress=progress)
         prompt = llm.prompt_tokens(COST_PROMPT)
 
         def measure():
@@ -145,6 +156,49 @@ def cost_model(llm, progress=None):
     state = pair_state(llm)
     if state.costs is None:
         state.costs = make()
+    return state.costs
+
+
+def idle_costs(llm, log=None):
+    """The pair's measurement in idle time (speculative/idle.py), made on first use; ``log``
+    (a line printer) is where it says what it measures."""
+    from .idle import IdleCosts
+
+    state = pair_state(llm)
+    if state.idle is None:
+        state.idle = IdleCosts(llm, log)
+    elif log is not None:
+        state.idle.log = log
+    return state.idle
+
+
+def deferred(llm, opts: SpecOptions) -> bool:
+    """Whether this run starts before this machine's costs are known (``LLM.defer_costs``,
+    set by chat, generate and serve): they are measured in idle time meanwhile."""
+    return bool(getattr(llm, "defer_costs", False)) and needs_costs(llm, opts) \
+        and idle_costs(llm).pending()
+
+
+def idle_work(llm, mode, opts, log=None):
+    """The measurement a command runs in its idle time for a run of ``mode`` with ``opts``
+    (speculative/idle.py), or None where that run needs none."""
+    if not isinstance(opts, SpecOptions) or not deferred(llm, opts):
+        return None
+    return idle_costs(llm, log)
+
+
+def measured_costs(llm):
+    """The pair's cost table if this machine has measured it (cached), else None: measures
+    nothing."""
+    from .cost import load_cached
+
+    state = pair_state(llm)
+    if state.costs is None and llm.draft_path is not None:
+        key = cost_key(llm, measure=False)
+        table = load_cached(key[0]) if key is not None else None
+        if table is not None:
+            draft_attention(llm)   # measured with the table: read from its cache
+            state.costs = table
     return state.costs
 
 
@@ -315,14 +369,18 @@ class Spec(Mode):
     name = "spec"
     Options = SpecOptions
     needs_draft = True
+    takes_prediction = True
     help = "draft then verify (lossless); --gamma picks the draft length"
 
     def start(self, llm, sampling, opts):
         from .decode import generate_spec
         from .policies import FixedGamma
         from .context_drafter import ContextSource
+        from .prediction import Prediction
         from .variants import MODEL_DRAFT_MARGIN, WORK_LEVELS, model_drafting_pays
 
+        if deferred(llm, opts):
+            return self._provisional(llm, sampling, opts)
         cost_aware = opts.gamma in NEEDS_COSTS
         chosen = choose_variant(llm) if llm.draft_auto and cost_aware else ""
         why = ""
@@ -357,6 +415,10 @@ class Spec(Mode):
                     + (", and drafts from the context where they pay" if with_context else ""))
         if chosen and not policy.plan_is_plain:
             note += f"; {chosen}"
+        idle = pair_state(llm).idle
+        if idle is not None and idle.done and not idle.announced:
+            idle.announced = True
+            note += "; this machine's costs were measured while idle and are in use from now"
         copy = copy_model(llm) if with_context else None
         if copy is not None:
             note += " (acceptance by the copy model fitted for this target)"
@@ -372,15 +434,55 @@ class Spec(Mode):
         # there no longer than the draft model's longest
         follow_max = MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
 
-        def run(tokens, max_new):
-            steps = generate_spec(
-                llm.tgt.seq, dft, tokens, policy, sampling,
-                context=ContextSource(costs, history=hist.trie if hist else None,
-                                      model=copy, follow_max=follow_max,
-                                      is_eog=llm.model.is_eog,
-                                      guard=context_guard(costs),
-                                      verify_scale=verify_scale(llm, costs))
-                if with_context else None, max_new=max_new, is_eog=llm.model.is_eog)
+        def run(tokens, max_new, prediction=None):
+            pred = Prediction(prediction) if prediction else None
+            if with_context:
+                context = ContextSource(costs, history=hist.trie if hist else None,
+                                        model=copy, follow_max=follow_max,
+                                        is_eog=llm.model.is_eog, guard=context_guard(costs),
+                                        verify_scale=verify_scale(llm, costs), prediction=pred)
+            else:   # the prediction alone, if any, drafts for free
+                context = ContextSource(None, prediction=pred, follow_max=follow_max,
+                                        is_eog=llm.model.is_eog) if pred else None
+            steps = generate_spec(llm.tgt.seq, dft, tokens, policy, sampling, context=context,
+                                  max_new=max_new, is_eog=llm.model.is_eog)
+            if hist is not None:
+                steps = hist.recording(steps, llm.model.is_eog)
+            return with_note(steps, note)
+
+        return run
+
+    def _provisional(self, llm, sampling, opts):
+        """A run before this machine's costs are known: drafts from the context (and the
+        prediction) priced at the dearest verification measured on any machine, no draft
+        model (its costs decide whether it pays at all); the draft stays loaded for the
+        measurement that runs in idle time."""
+        from .context_drafter import ContextSource
+        from .decode import generate_spec
+        from .idle import provisional_costs
+        from .prediction import Prediction
+
+        from ..config import MAX_FREE_VERIFY, MAX_VERIFY
+
+        costs = provisional_costs() if opts.context else None
+        copy = copy_model(llm) if opts.context else None
+        follow_max = MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
+        hist = history_drafts(llm) if opts.history else None
+        note = ("this machine's draft/verify costs are not measured yet (they are measured "
+                "while idle): drafts from the context at prices safe on any machine, no "
+                "draft model until then")
+        if not has_controller(llm, opts):
+            note += (f"; no draft-length controller for {llm.draft_path.name} (fit one with "
+                     f"specee-cpp fit-controller, or pass --gamma N)")
+
+        def run(tokens, max_new, prediction=None):
+            pred = Prediction(prediction) if prediction else None
+            context = ContextSource(costs, history=hist.trie if hist else None, model=copy,
+                                    follow_max=follow_max, is_eog=llm.model.is_eog,
+                                    prediction=pred) \
+                if costs is not None or pred is not None else None
+            steps = generate_spec(llm.tgt.seq, None, tokens, 0, sampling, context=context,
+                                  max_new=max_new, is_eog=llm.model.is_eog)
             if hist is not None:
                 steps = hist.recording(steps, llm.model.is_eog)
             return with_note(steps, note)
@@ -388,6 +490,8 @@ class Spec(Mode):
         return run
 
     def prepare(self, llm, opts, status=no_status) -> None:
+        if deferred(llm, opts):
+            return   # measured in idle time
         if llm.draft_auto and needs_costs(llm, opts):
             choose_variant(llm, status)
         if needs_costs(llm, opts):
@@ -398,8 +502,8 @@ class Spec(Mode):
         """Plain decoding for a run that will not draft; the draft's memory goes back."""
         llm.release_draft()
         start = PLAIN.start(llm, sampling, PLAIN.Options())
-        return lambda tokens, max_new: with_note(start(tokens, max_new),
-                                                 note + "; draft not in memory")
+        return lambda tokens, max_new, prediction=None: with_note(
+            start(tokens, max_new, prediction=prediction), note + "; draft not in memory")
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode spec gamma {opts.gamma}"

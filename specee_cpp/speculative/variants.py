@@ -223,6 +223,37 @@ def draft_ratio(llm, path: Path) -> float:
     return cached[path.name]
 
 
+def choice_path(llm) -> Path:
+    """Where this machine's choice of variant for the loaded base draft is kept."""
+    from ..provenance import machine, machine_id
+    from .cost import MEASURE_VERSION, cache_path
+    from .mode import base_sha256
+
+    where = machine(llm.config.threads)
+    return cache_path(f"variant-{base_sha256(llm)[:12]}-m{machine_id(where)}"
+                      f"-v{MEASURE_VERSION}")
+
+
+def remember_choice(llm, note: str) -> None:
+    """Keep the variant ``llm`` now drafts with as this machine's choice, with its note."""
+    write_text_atomic(choice_path(llm), json.dumps({"draft": str(llm.draft_path),
+                                                    "note": note}))
+
+
+def remembered_choice(llm) -> str | None:
+    """Point ``llm`` at the variant this machine chose before (``remember_choice``) and
+    return its note; None where none was chosen here (or its file is gone)."""
+    try:
+        data = json.loads(choice_path(llm).read_text(encoding="utf-8"))
+        path = Path(data["draft"])
+        if not path.is_file():
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    set_draft(llm, path)
+    return f"{data.get('note', path.name)} (chosen earlier on this machine)"
+
+
 def set_draft(llm, path: Path) -> None:
     """Use the draft file ``path`` (same base model) from now on: the loaded draft and the
     cached costs of the previous one are dropped."""

@@ -1,0 +1,83 @@
+"""This machine's cost table measured in idle time (speculative/idle.py): a measurement taken
+one sample at a time resumes where it stopped, also in another process, and gives the table
+a measurement in one go gives; a run before it is complete answers at once without the
+draft model and says why; once it is complete the next run drafts with it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specee_cpp.config import COST_PROMPT, LoadConfig
+from specee_cpp.engine.llm import LLM
+from specee_cpp.speculative.cost import cache_path, measure_table_steps, table_from
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def pair(small_model):
+    llm = LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2))
+    yield llm
+    llm.close()
+
+
+def test_a_stopped_measurement_resumes_where_it_stopped(pair):
+    prompt = pair.prompt_tokens(COST_PROMPT)
+    tgt, dft = pair.tgt.seq, pair.dft.seq
+    whole: dict = {}
+    n_whole = sum(1 for _ in measure_table_steps(tgt, dft, prompt, whole, repeats=2))
+    state: dict = {}
+    steps = measure_table_steps(tgt, dft, prompt, state, repeats=2)
+    for _ in range(n_whole // 3):
+        next(steps)
+    steps.close()
+    saved = json.loads(json.dumps(state))          # as a later process reads it back
+    rest = sum(1 for _ in measure_table_steps(tgt, dft, prompt, saved, repeats=2))
+    assert rest == n_whole - n_whole // 3          # no sample taken twice
+    a, b = table_from(whole), table_from(saved)
+    assert len(a.points) == len(b.points) == 2
+    for p, q in zip(a.points, b.points):
+        assert len(p.target_batch_s) == len(q.target_batch_s) == 16
+        assert p.long_sizes == q.long_sizes and p.context == q.context
+        assert all(t > 0 for t in q.target_batch_s) and q.draft_token_s > 0
+    assert len(tgt.tokens) == len(prompt) == len(dft.tokens)   # caches left as measure's
+
+
+def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_model):
+    from specee_cpp.speculative.idle import partial_path
+    from specee_cpp.speculative.mode import SpecOptions, cost_key, forget_costs, idle_work
+
+    key, _ = cost_key(pair)
+    cache_path(key).unlink(missing_ok=True)
+    forget_costs(pair)
+    pair.defer_costs = True
+    opts = SpecOptions(gamma="auto")
+    plain = pair.generate("def add(a, b):", chat=False, max_tokens=16)
+    first = pair.generate("def add(a, b):", chat=False, max_tokens=16, mode="spec",
+                          options=opts)
+    assert first.tokens == plain.tokens
+    assert "not measured yet" in first.stats.note and not cache_path(key).exists()
+    assert first.stats.by_source.get("model") is None
+    lines: list[str] = []
+    idle = idle_work(pair, "spec", opts, log=lines.append)
+    assert idle is not None and idle.pending()
+    calls = iter(range(10 ** 6))
+    idle.run(stop=lambda: next(calls) >= 12)       # a request arrives after a few slices
+    assert not idle.done and partial_path(key).is_file()
+    # another process picks it up where this one stopped
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as other:
+        other.defer_costs = True
+        later = idle_work(other, "spec", opts, log=lines.append)
+        assert later.run(stop=lambda: False) and later.done
+        assert any("resuming the cost measurement" in line for line in lines), lines
+        assert cache_path(key).is_file() and not partial_path(key).exists()
+        res = other.generate("def add(a, b):", chat=False, max_tokens=16, mode="spec",
+                             options=opts)
+        assert res.tokens == plain.tokens
+        assert "not measured yet" not in res.stats.note
+        assert "measured while idle" in res.stats.note
+        again = other.generate("def add(a, b):", chat=False, max_tokens=16, mode="spec",
+                               options=opts)
+        assert "measured while idle" not in again.stats.note   # said once
+    pair.defer_costs = False

@@ -1,0 +1,166 @@
+"""Predicted outputs (OpenAI's ``prediction``): the source follows the output through an
+edit of the prediction and rejoins it after a divergence; greedy output with any prediction
+equals plain decoding's, token for token, in every mode that takes one; usage counts are
+OpenAI's; bad predictions are refused naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from specee_cpp.config import LoadConfig
+from specee_cpp.engine.llm import LLM
+from specee_cpp.errors import ContextOverflowError, SpeceeError
+from specee_cpp.speculative.cost import CostModel
+from specee_cpp.speculative.prediction import Prediction, assumed_costs, prediction_usage
+
+PRED = list(range(100, 400))   # 300 distinct tokens: every n-gram occurs once
+
+
+def test_follows_the_prediction_and_drafts_its_continuation():
+    p = Prediction(PRED)
+    assert p.continuation(3)[0] == [100, 101, 102]
+    p.observe([100, 101, 102, 103, 104])
+    toks, probs = p.continuation(4)
+    assert toks == [105, 106, 107, 108]
+    # inside a run the first token is priced as a run's, not as a fresh join's
+    assert probs[0] == pytest.approx(p.rate(1)) and p.rate(1) > p.rate(0)
+
+
+def test_rejoins_after_a_change_an_insertion_and_a_deletion():
+    p = Prediction(PRED)
+    p.observe([100, 101, 999])                 # a changed token: the output left at 102
+    assert p.continuation(2)[0] == []          # nothing drafted until it rejoins
+    p.observe([103, 104])                      # ... two tokens of the prediction again
+    assert p.continuation(2)[0] == [105, 106]
+    p.observe([105, 7, 8, 9, 10])              # an insertion
+    assert p.continuation(1)[0] == []
+    p.observe([106, 107])                      # rejoined where it left
+    assert p.continuation(1)[0] == [108]
+    p.observe([108, 130, 131])                 # a deletion of 109..129, within reach
+    assert p.continuation(1)[0] == [132]
+
+
+def test_a_moved_block_rejoins_on_a_longer_gram_and_chance_pairs_do_not():
+    p = Prediction(PRED)
+    p.observe([100, 101, 102, 0])              # left at 103
+    p.observe([350, 351])                      # a pair far ahead: not trusted alone
+    assert p.continuation(1)[0] == []
+    p.observe([352, 353])                      # four tokens of it: a moved block
+    assert p.continuation(1)[0] == [354]
+    q = Prediction(PRED)
+    q.observe([5, 6, 7, 8, 9, 10, 11, 12])     # unrelated output never joins
+    assert q.at is None and q.continuation(4)[0] == []
+
+
+def test_rates_are_learned_per_answer():
+    p = Prediction(PRED)
+    before = p.rate(0)
+    for _ in range(5):                         # fresh joins that break at once
+        p.continuation(4)
+        p.learn(4, 0)
+    assert p.rate(0) < before / 2
+    p.observe([100, 101, 102, 103, 104])
+    p.continuation(8)
+    run = p.rate(1)
+    p.learn(8, 8)
+    assert p.rate(1) > run
+
+
+def test_assumed_costs_pay_only_for_likely_runs():
+    from specee_cpp.speculative.context_drafter import best_prefix
+    import numpy as np
+
+    costs = assumed_costs()
+    assert costs.verify(16) == pytest.approx(1 + 0.5 * 15)
+    g_sure, _ = best_prefix(1 + np.cumsum(np.cumprod(np.full(63, 0.98))), costs)
+    g_coin, _ = best_prefix(1 + np.cumsum(np.cumprod(np.full(63, 0.3))), costs)
+    assert g_sure >= 8 and g_coin == 0
+
+
+def test_usage_counts_are_openais():
+    assert prediction_usage([1, 2, 3, 4], [1, 2, 3, 4]) == (4, 0)
+    assert prediction_usage([1, 2, 3, 4], [9, 1, 2, 7, 4]) == (3, 1)
+    assert prediction_usage([1, 2, 3], []) == (0, 3)
+    assert prediction_usage([], [1, 2]) == (0, 0)
+
+
+# ---- on the real small model -------------------------------------------------------------
+
+PROMPT = "List the first ten prime numbers, one per line, each followed by a short fact."
+N = 64
+# verification a little dearer per row than on an AMX Xeon: long drafts pay where they are
+# likely to hold
+COSTS = CostModel([0.034 * x for x in (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)],
+                  0.015, long_sizes=[64], long_batch_s=[0.034 * 8.0])
+
+
+@pytest.fixture(scope="module")
+def pair(small_model):
+    from specee_cpp.engine.draft_attention import use_draft_attention
+
+    llm = LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=1024, n_threads=2))
+    use_draft_attention(llm, None)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return pair.generate(PROMPT, max_tokens=N)
+
+
+def edited(tokens: list[int]) -> list[int]:
+    """A prediction that differs from the output as an edit's original does: a token
+    changed, a stretch inserted, a stretch deleted."""
+    t = list(tokens)
+    return t[:8] + [t[8] + 1] + t[9:20] + t[40:44] + t[20:36] + t[48:]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kind", ["matching", "partly", "unrelated"])
+def test_greedy_output_with_a_prediction_equals_plain(pair, plain, kind):
+    from specee_cpp.speculative.mode import SpecOptions, use_cost_model
+
+    pred = {"matching": plain.tokens, "partly": edited(plain.tokens),
+            "unrelated": pair.prediction_tokens("The committee met on Tuesday to discuss the "
+                                                "budget, the new library and the parking.")}[kind]
+    use_cost_model(pair, COSTS)
+    runs = {"plain": {}, "spec-2": {"mode": "spec", "gamma": 2},
+            "spec-auto": {"mode": "spec", "options": SpecOptions(gamma="auto")}}
+    for name, kw in runs.items():
+        res = pair.generate(PROMPT, max_tokens=N, prediction=pred, **kw)
+        assert res.tokens == plain.tokens, (kind, name)
+        drafted, accepted = res.stats.by_source.get("prediction", (0, 0))
+        accepted_usage, rejected_usage = res.stats.prediction
+        assert accepted_usage + rejected_usage == len(pred)
+        if kind == "matching":
+            # most tokens come from the prediction's drafts (each round adds the target's
+            # own), none drafted for nothing
+            assert accepted >= 0.75 * N and drafted == accepted, (name, res.stats.by_source)
+            assert (accepted_usage, rejected_usage) == (N, 0)
+        elif kind == "partly":
+            assert accepted >= 0.45 * N, (name, res.stats.by_source)   # ~6 tokens a rejoin
+            assert rejected_usage == len(pred) - accepted_usage > 0
+        else:
+            assert drafted <= 8, (name, res.stats.by_source)
+
+
+@pytest.mark.model
+def test_a_prediction_as_text_and_stream_counts(pair, plain):
+    steps = list(pair.stream(PROMPT, max_tokens=N, prediction=plain.text))
+    assert [s.token for s in steps] == plain.tokens
+    accepted, rejected = steps[-1].stats.prediction
+    assert accepted >= N - 4 and rejected <= 4   # the text may tokenize apart at its edges
+    assert steps[-1].stats.as_dict()["prediction"] == {"accepted": accepted,
+                                                      "rejected": rejected}
+
+
+@pytest.mark.model
+def test_bad_predictions_are_refused_naming_the_field(pair):
+    with pytest.raises(SpeceeError, match="prediction: mode ee does not take one"):
+        pair.generate(PROMPT, max_tokens=4, prediction="x", mode="ee")
+    with pytest.raises(ContextOverflowError, match="prediction of .* tokens is longer than"):
+        pair.generate(PROMPT, max_tokens=4, prediction=[1] * 2000)
+    with pytest.raises(SpeceeError, match="prediction: token id"):
+        pair.generate(PROMPT, max_tokens=4, prediction=[10 ** 9])
+    with pytest.raises(SpeceeError, match="prediction: text or a list of token ids"):
+        pair.generate(PROMPT, max_tokens=4, prediction={"type": "content"})
