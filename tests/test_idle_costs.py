@@ -62,9 +62,16 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
     lines: list[str] = []
     idle = idle_work(pair, "spec", opts, log=lines.append)
     assert idle is not None and idle.pending()
-    calls = iter(range(10 ** 6))
-    idle.run(stop=lambda: next(calls) >= 12)       # a request arrives after a few slices
+    seen: list[str] = []
+
+    def request_arrives() -> bool:   # once a few of the table's samples are on disk
+        seen.append("slice")
+        return partial_path(key).is_file() and len(
+            json.loads(partial_path(key).read_text())["points"][0].get("plain", [])) >= 3
+
+    idle.run(stop=request_arrives)
     assert not idle.done and partial_path(key).is_file()
+    assert len(seen) > 20    # the timings before the table came in slices too
     # another process picks it up where this one stopped
     with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as other:
         other.defer_costs = True

@@ -10,7 +10,8 @@ from specee_cpp.config import LoadConfig
 from specee_cpp.engine.llm import LLM
 from specee_cpp.errors import ContextOverflowError, SpeceeError
 from specee_cpp.speculative.cost import CostModel
-from specee_cpp.speculative.prediction import Prediction, assumed_costs, prediction_usage
+from specee_cpp.engine.steps import prediction_usage
+from specee_cpp.speculative.prediction import Prediction, assumed_costs
 
 PRED = list(range(100, 400))   # 300 distinct tokens: every n-gram occurs once
 

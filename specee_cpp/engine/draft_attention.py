@@ -14,7 +14,7 @@ import time
 
 from ..config import COST_CONTEXTS, COST_PROMPT
 from ..paths import home, write_text_atomic
-from .timing import time_in_turn
+from .timing import Steps, run_steps, time_in_turn_steps
 
 VERSION = 1   # part of the cache key: a changed method measures again
 
@@ -22,6 +22,14 @@ VERSION = 1   # part of the cache key: a changed method measures again
 def time_attention(model, n_threads: int, tokens: list[int], contexts=COST_CONTEXTS,
                    n_batch: int = 512, decodes: int = 12, warmup: int = 2,
                    clock=time.perf_counter) -> dict:
+    """:func:`time_attention_steps` in one go."""
+    return run_steps(time_attention_steps(model, n_threads, tokens, contexts, n_batch,
+                                          decodes, warmup, clock))
+
+
+def time_attention_steps(model, n_threads: int, tokens: list[int], contexts=COST_CONTEXTS,
+                         n_batch: int = 512, decodes: int = 12, warmup: int = 2,
+                         clock=time.perf_counter) -> Steps:
     """Median seconds of one decoded token of ``model`` with llama.cpp's flash attention at
     its default (on where the backend has it) and off, after each of ``contexts`` cached
     tokens (``tokens`` repeated): {"contexts": [...], "default": [...], "off": [...]}.
@@ -46,9 +54,10 @@ def time_attention(model, n_threads: int, tokens: list[int], contexts=COST_CONTE
                 for s in range(filled, c, n_batch):
                     batch.set(fill[s:min(s + n_batch, c)], s)
                     ctx.decode(batch)
+                    yield "the draft's attention: filling its cache"
             filled = c
-            seen = time_in_turn({name: (ctx, None) for name, ctx in ctxs.items()}, batch, fill,
-                                c, decodes, warmup, clock=clock)
+            seen = yield from time_in_turn_steps({name: (ctx, None) for name, ctx in ctxs.items()},
+                                                 batch, fill, c, decodes, warmup, clock=clock)
             for name in settings:
                 out[name].append(seen[name])
     finally:
@@ -64,7 +73,13 @@ def choose(model, n_threads: int, tokens: list[int],
     tokens were cheaper without it over the cost table's contexts (summed), else llama.cpp's
     default (None). Seconds; 12 tokens each way per context, in contexts of its own (the
     draft's own may be smaller)."""
-    seen = time_attention(model, n_threads, tokens, COST_CONTEXTS, n_batch=n_batch)
+    return run_steps(choose_steps(model, n_threads, tokens, n_batch))
+
+
+def choose_steps(model, n_threads: int, tokens: list[int], n_batch: int) -> Steps:
+    """:func:`choose` a decode at a time."""
+    seen = yield from time_attention_steps(model, n_threads, tokens, COST_CONTEXTS,
+                                           n_batch=n_batch)
     return (False if sum(seen["off"]) < sum(seen["default"]) else None), seen
 
 
@@ -74,24 +89,33 @@ def draft_attention(llm) -> tuple[bool | None, dict]:
     and 1024 cached tokens), cached under ``$SPECEE_CPP_HOME/costs``, so that every mode that
     drafts runs with it, a cost table or not (early exit's draft provider decodes the draft
     on every token)."""
+    return run_steps(draft_attention_steps(llm))
+
+
+def draft_attention_steps(llm) -> Steps:
+    """:func:`draft_attention`, a measurement taken a decode at a time."""
     from ..provenance import machine, machine_id
 
-    def make():
+    key = ("attention", llm.draft_path)
+    got = llm.cached(key, lambda: None)
+    if got is None:
+        llm.forget(key)
         where = machine(llm.config.threads)
         path = home() / "costs" / (f"attention-{llm.draft_sha256()[:12]}-m{machine_id(where)}"
                                    f"-v{VERSION}.json")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("flash_attn") in (False, None) and isinstance(data.get("seen"), dict):
-                return data["flash_attn"], data["seen"]
-        except (OSError, ValueError, AttributeError):
-            pass   # none yet, torn or another layout: measure
-        fa, seen = choose(llm.dft.model, llm.config.threads, llm.prompt_tokens(COST_PROMPT),
-                          n_batch=llm.config.n_batch)
-        write_text_atomic(path, json.dumps({"flash_attn": fa, "seen": seen}))
-        return fa, seen
-
-    fa, seen = llm.cached(("attention", llm.draft_path), make)
+            if data.get("flash_attn") not in (False, None) or not isinstance(data.get("seen"),
+                                                                              dict):
+                raise ValueError(path)
+            got = data["flash_attn"], data["seen"]
+        except (OSError, ValueError, AttributeError):   # none yet, torn, another layout
+            got = yield from choose_steps(llm.dft.model, llm.config.threads,
+                                          llm.prompt_tokens(COST_PROMPT),
+                                          n_batch=llm.config.n_batch)
+            write_text_atomic(path, json.dumps({"flash_attn": got[0], "seen": got[1]}))
+        llm.remember(key, got)
+    fa, seen = got
     llm.set_draft_flash_attn(fa)
     return fa, seen
 

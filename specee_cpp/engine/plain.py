@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
+from ..errors import SpeceeError
 from .modes import Mode, register
 from .sampling import Picker, make_picker
 from .steps import Step, with_note
@@ -29,20 +30,15 @@ def generate_plain(seq: Sequence, prompt: list[int], pick: Picker) -> Iterator[S
         timings = {"decode": time.perf_counter() - t0}
 
 
-def generate_predicted(llm, prompt: list[int], prediction: list[int], sampling,
-                       max_new: int) -> Iterator[Step]:
-    """Plain decoding that drafts from the caller's predicted output where the output follows
-    it, each draft verified by the target in one batch (the speculative loop without a draft
-    model), priced without this machine's table at the dearest verification measured
-    anywhere (speculative/prediction.py)."""
-    from ..speculative.context_drafter import ContextSource
-    from ..speculative.decode import generate_spec
-    from ..speculative.prediction import Prediction
+# Drafting from a caller's prediction is the speculative loop's work, a layer above this one:
+# the speculative package hands plain decoding its runner when it loads
+# (``run_predictions_with``): (llm, prompt, prediction, sampling, most new tokens) -> steps
+_predicted: Callable[..., Iterator[Step]] | None = None
 
-    context = ContextSource(None, prediction=Prediction(prediction), is_eog=llm.model.is_eog)
-    return with_note(generate_spec(llm.tgt.seq, None, prompt, 0, sampling, context=context,
-                                   max_new=max_new, is_eog=llm.model.is_eog),
-                     "plain, with drafts from the prediction")
+
+def run_predictions_with(runner: Callable[..., Iterator[Step]]) -> None:
+    global _predicted
+    _predicted = runner
 
 
 class Plain(Mode):
@@ -57,7 +53,11 @@ class Plain(Mode):
 
         def run(tokens, max_new, prediction=None):
             if prediction:
-                return generate_predicted(llm, tokens, prediction, sampling, max_new)
+                if _predicted is None:
+                    raise SpeceeError("prediction: drafting from one needs the speculative "
+                                      "package (import specee_cpp)")
+                return with_note(_predicted(llm, tokens, prediction, sampling, max_new),
+                                 "plain, with drafts from the prediction")
             return generate_plain(llm.tgt.seq, tokens, pick)
 
         return run

@@ -19,7 +19,7 @@ import time
 
 from ..config import COST_PROMPT, PROMPT_KERNEL_MARGIN, PROMPT_KERNEL_ROWS
 from ..paths import home, write_text_atomic
-from .timing import measured_here, time_in_turn
+from .timing import Steps, measured_here, run_steps, time_in_turn_steps
 
 VERSION = 1          # part of the cache key: a changed method measures again
 EVERY_BATCH = 1 << 30   # a row limit no batch reaches
@@ -51,16 +51,33 @@ def time_prompt_kernels(model, n_threads: int, tokens: list[int], name: str, tur
     """Median seconds of one batch of ``tokens`` read by ``model`` with switch ``name`` at
     every batch ("ours") and as it is ("upstream": the batch is above its limit), in turn:
     {"ours": s, "upstream": s, "rows": n}."""
+    return run_steps(time_prompt_kernels_steps(model, n_threads, tokens, name, turns, warmup,
+                                               clock))
+
+
+def time_prompt_kernels_steps(model, n_threads: int, tokens: list[int], name: str,
+                              turns: int = 2, warmup: int = 1,
+                              clock=time.perf_counter) -> Steps:
+    """:func:`time_prompt_kernels` a batch at a time; between steps the switch is as it was
+    (the models may decode for someone else there)."""
     from ..bindings import Batch, Context, kernel_switch, set_kernel_switch
 
     before = kernel_switch(name)
     n = len(tokens)
     ctx = Context(model, n_ctx=n + 8, n_batch=n, n_threads=n_threads)
     batch = Batch(n)
+    steps = time_in_turn_steps({"ours": (ctx, lambda: set_kernel_switch(name, EVERY_BATCH)),
+                                "upstream": (ctx, lambda: set_kernel_switch(name, before))},
+                               batch, tokens, 0, turns, warmup, swap=True, rows=n, clock=clock)
     try:
-        seen = time_in_turn({"ours": (ctx, lambda: set_kernel_switch(name, EVERY_BATCH)),
-                             "upstream": (ctx, lambda: set_kernel_switch(name, before))},
-                            batch, tokens, 0, turns, warmup, swap=True, rows=n, clock=clock)
+        while True:
+            try:
+                what = next(steps)
+            except StopIteration as done:
+                seen = done.value
+                break
+            set_kernel_switch(name, before)
+            yield f"prompt kernels: {name}, {what}"
     finally:
         set_kernel_switch(name, before)
         ctx.close()
@@ -114,6 +131,11 @@ def prompt_kernels(llm, measure: bool = False, progress=None) -> dict[str, str]:
     target (``measure``: made now where there is none, then cached): {switch: "ours" or
     "upstream's", with where that came from}, empty where no switch applies or none was
     measured yet (then upstream's kernels read prompts)."""
+    return run_steps(prompt_kernels_steps(llm, measure, progress))
+
+
+def prompt_kernels_steps(llm, measure: bool = False, progress=None) -> Steps:
+    """:func:`prompt_kernels`, a measurement taken a batch at a time."""
     from ..bindings import set_kernel_switch
     from ..provenance import machine
 
@@ -135,7 +157,8 @@ def prompt_kernels(llm, measure: bool = False, progress=None) -> dict[str, str]:
         for name in names:
             if progress is not None:
                 progress(f"prompt kernels: {name}, ours and upstream's")
-            seen[name] = time_prompt_kernels(llm.model, llm.config.threads, tokens, name)
+            seen[name] = yield from time_prompt_kernels_steps(llm.model, llm.config.threads,
+                                                              tokens, name)
         write_text_atomic(cache, json.dumps(seen))
         source = "measured on this machine now"
     out = {}

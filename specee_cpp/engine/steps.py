@@ -7,6 +7,7 @@ generation; the CLI, the Python API and the benchmark all consume its output.
 from __future__ import annotations
 
 import codecs
+import difflib
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -124,8 +125,6 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     until it is known not to be. With ``prediction`` (the caller's predicted output's
     tokens) the stats count its tokens that appear in the output.
     """
-    from ..speculative.prediction import prediction_usage
-
     emitted: list[int] = []   # with a prediction: the output's tokens
     detok = Detokenizer(piece)
     hold = max((len(s) for s in stop), default=1) - 1
@@ -193,6 +192,17 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
         close = getattr(it, "close", None)
         if close:
             close()  # lets the strategy rewind its KV state in its own finally
+
+
+def prediction_usage(predicted: list[int], output: list[int]) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens as OpenAI counts them: the prediction's tokens
+    that appear in the completion (in order: the matching blocks of a diff of the two) and
+    those that do not."""
+    if not predicted:
+        return 0, 0
+    m = difflib.SequenceMatcher(None, predicted, output, autojunk=False)
+    accepted = sum(b.size for b in m.get_matching_blocks())
+    return accepted, len(predicted) - accepted
 
 
 def with_note(steps: Iterable[Step], note: str) -> Iterator[Step]:

@@ -5,14 +5,34 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
+
+# a measurement taken one decode at a time: yields what it did after each, returns its result
+Steps = Generator[str, None, Any]
+
+
+def run_steps(steps: Steps) -> Any:
+    """The result of a step-wise measurement run to its end in one go."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def time_in_turn(runs: dict, batch, tokens: list[int], pos: int, decodes: int,
                  warmup: int = 2, swap: bool = False, rows: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """:func:`time_in_turn_steps` in one go."""
+    return run_steps(time_in_turn_steps(runs, batch, tokens, pos, decodes, warmup, swap, rows,
+                                        clock))
+
+
+def time_in_turn_steps(runs: dict, batch, tokens: list[int], pos: int, decodes: int,
+                       warmup: int = 2, swap: bool = False, rows: int = 1,
+                       clock: Callable[[], float] = time.perf_counter) -> Steps:
     """Median seconds of one token (``rows`` > 1: of a batch of that many of ``tokens``)
     decoded at ``pos`` in each of ``runs`` ({name: (context, what to set before each of its
     decodes, or None)}), the runs taking turns decode by decode (a machine slowing down
@@ -32,6 +52,7 @@ def time_in_turn(runs: dict, batch, tokens: list[int], pos: int, decodes: int,
             ctx.seq_rm(pos)
             if i >= warmup:
                 times[name].append(dt)
+            yield name
     return {name: float(np.median(t)) for name, t in times.items()}
 
 

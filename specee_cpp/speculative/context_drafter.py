@@ -180,6 +180,8 @@ class ContextSource:
 
         self.table = as_table(costs) if costs is not None else None
         self.prediction = prediction
+        # no table, a prediction: it drafts alone (plain mode), the trie is not kept
+        self.prediction_only = costs is None and prediction is not None
         self.trie = SuffixTrie(depth)
         self.history = history
         self.model = model
@@ -243,8 +245,8 @@ class ContextSource:
         token), and advance the prediction."""
         if emitted and self.prediction is not None:
             self.prediction.observe(tokens)
-        if self.table is None:
-            return   # the prediction alone drafts
+        if self.prediction_only:
+            return
         if not emitted:
             self.n_given += len(tokens)
             for t in tokens:

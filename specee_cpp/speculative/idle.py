@@ -5,11 +5,13 @@ minutes on a 2-core machine. Where the command says so (``LLM.defer_costs``: cha
 and serve do), a run on a machine without one answers at once, with plain decoding and the
 context drafter at prices safe on any machine (``provisional_costs``), and the measurement
 runs in slices of idle time instead: between chat turns while the user types, between the
-server's requests. Each slice is one timed sample (a second or less, the first slice's
-prompt-kernel and attention timings a few seconds); a request waits at most for the slice
-in flight. The samples taken so far are kept on disk after every slice, so a measurement
-stopped by the end of a session resumes in the next one where it stopped. When it is
-complete the table is cached as a foreground measurement's would be, and the next
+server's requests. Each slice is one timed decode (a second or two at most: a prompt batch,
+a verification of 64 rows); a request waits at most for the slice in flight, except for the
+choice of a ``NAME:auto`` variant, one slice (seconds a variant, minutes where one must be
+made first). The table's samples are kept on disk after every slice, so a measurement
+stopped by the end of a session resumes in the next one where it stopped (the timings that
+come before the table, of the prompt kernels and the draft's attention, start again). When
+it is complete the table is cached as a foreground measurement's would be, and the next
 generation drafts with it (its note says so once). ``specee-cpp costs`` still measures in
 the foreground.
 
@@ -114,19 +116,17 @@ class IdleCosts:
 
     def _table(self) -> Iterator[str]:
         from ..bindings import Context
-        from ..engine.draft_attention import draft_attention
+        from ..engine.draft_attention import draft_attention_steps
         from ..engine.sequence import Sequence
-        from .mode import cost_key, pair_state
+        from .mode import cost_key_steps, pair_state
 
         llm = self.llm
         t0 = time.perf_counter()
         self.log(f"measuring this machine's draft/verify costs for {llm.draft_path.name} "
                  f"while idle (about 2 minutes of idle time with the default pair on 2 cores, "
                  f"kept across runs)")
-        key, where = cost_key(llm, measure=True)
-        yield "prompt kernels"
-        fa, seen = draft_attention(llm)
-        yield "the draft's attention"
+        key, where = yield from cost_key_steps(llm, measure=True)
+        fa, seen = yield from draft_attention_steps(llm)
         path = partial_path(key)
         try:
             state = json.loads(path.read_text(encoding="utf-8"))

@@ -105,14 +105,22 @@ def cost_key(llm, measure: bool = True, progress=None) -> tuple[str, dict] | Non
     """(cache key, machine record) of the pair's cost table on this machine. The kernels that
     read prompts come first (the table's prices of reading one are theirs): measured now
     where ``measure``, else None while they are not measured yet."""
+    from ..engine.timing import run_steps
+
+    return run_steps(cost_key_steps(llm, measure, progress))
+
+
+def cost_key_steps(llm, measure: bool = True, progress=None):
+    """:func:`cost_key`, its measurement taken a batch at a time."""
     from ..bindings import kernel_switch
-    from ..engine.prompt_kernels import prompt_kernels, prompt_kernels_known
+    from ..engine.prompt_kernels import prompt_kernels_known, prompt_kernels_steps
     from ..provenance import machine, machine_id
     from .cost import MEASURE_VERSION
 
     if not measure and not prompt_kernels_known(llm):
         return None
-    llm.prompt_kernels = prompt_kernels(llm, measure=measure, progress=progress)
+    llm.prompt_kernels = yield from prompt_kernels_steps(llm, measure=measure,
+                                                         progress=progress)
     # the machine (CPU features, build, threads, AMX switch) is part of the key, and so
     # are the kernel choices measured for this target: a cache copied to another
     # machine, a rebuilt library or another choice measures again
@@ -517,3 +525,13 @@ class Spec(Mode):
 
 
 register(Spec())
+
+
+def _plain_predictions() -> None:
+    from ..engine.plain import run_predictions_with
+    from .prediction import generate_predicted
+
+    run_predictions_with(generate_predicted)
+
+
+_plain_predictions()

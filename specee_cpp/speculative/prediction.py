@@ -15,7 +15,6 @@ Verification keeps the output the target's: greedy output equals plain decoding'
 """
 from __future__ import annotations
 
-import difflib
 from collections import defaultdict
 
 import numpy as np
@@ -115,12 +114,14 @@ def assumed_costs():
                      long_batch_s=[1.0 + PREDICTION_ROW_COST * (MAX_FREE_VERIFY - 1)])
 
 
-def prediction_usage(predicted: list[int], output: list[int]) -> tuple[int, int]:
-    """(accepted, rejected) prediction tokens as OpenAI counts them: the prediction's tokens
-    that appear in the completion (in order: the matching blocks of a diff of the two) and
-    those that do not."""
-    if not predicted:
-        return 0, 0
-    m = difflib.SequenceMatcher(None, predicted, output, autojunk=False)
-    accepted = sum(b.size for b in m.get_matching_blocks())
-    return accepted, len(predicted) - accepted
+def generate_predicted(llm, prompt: list[int], prediction: list[int], sampling, max_new: int):
+    """Plain decoding that drafts from the caller's predicted output where the output follows
+    it, each draft verified by the target in one batch (the speculative loop without a draft
+    model), priced without this machine's table at the dearest verification measured
+    anywhere: what mode plain runs when given a prediction (engine/plain.py)."""
+    from .context_drafter import ContextSource
+    from .decode import generate_spec
+
+    context = ContextSource(None, prediction=Prediction(prediction), is_eog=llm.model.is_eog)
+    return generate_spec(llm.tgt.seq, None, prompt, 0, sampling, context=context,
+                         max_new=max_new, is_eog=llm.model.is_eog)
