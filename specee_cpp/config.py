@@ -95,6 +95,11 @@ WORK_LEVELS = (0.6, 0.7, 0.8, 0.9)
 # the draft model is kept only where it is predicted to gain this much at some work level:
 # the cost table's rounds leave out what holding a draft costs besides them
 MODEL_DRAFT_MARGIN = 1.05
+# a table whose verdict on the draft model lies this close to the margin (relative) is
+# measured twice more and taken as the median of three: one 2-core VM read verify(4) at
+# 1.42, 1.50 and 1.87 plain tokens within 20 minutes, enough to flip the verdict
+NEAR_MARGIN = 0.10
+STEADY_RUNS = 3
 SCREEN_CONTEXT = 128       # tokens cached before a variant's timed decodes (the table's first)
 SCREEN_TOKENS = 8          # draft decodes a timing sample
 SCREEN_REPEATS = 5         # samples a variant (the median is kept)

@@ -405,11 +405,12 @@ def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkey
     seen = {"contexts": [128, 255], "default": [2e-3, 3e-3], "off": [1e-3, 2e-3]}
     asked = []
 
-    def timed(model, n_threads, tokens, contexts, n_batch):
+    def timed(model, n_threads, tokens, contexts, n_batch):   # the step-wise timing
         asked.append((list(contexts), n_batch))
+        yield "a decode"
         return dict(seen, contexts=list(contexts))
 
-    monkeypatch.setattr(attention, "time_attention", timed)
+    monkeypatch.setattr(attention, "time_attention_steps", timed)
     cfg = LoadConfig(n_ctx=256, n_batch=32, n_threads=1)
     with LLM(t, draft=d, config=cfg) as llm:
         assert llm.dft.ctx.flash_attn is None               # llama.cpp's default until measured
@@ -443,9 +444,10 @@ def test_every_mode_that_drafts_runs_with_the_measured_attention(tmp_path, monke
 
     def timed(model, n_threads, tokens, contexts, n_batch):
         asked.append(1)
+        yield "a decode"
         return {"contexts": list(contexts), "default": [2e-3, 5e-3], "off": [2e-3, 3e-3]}
 
-    monkeypatch.setattr(attention, "time_attention", timed)
+    monkeypatch.setattr(attention, "time_attention_steps", timed)
     cfg = LoadConfig(n_ctx=256, n_batch=32, n_threads=1)
     with LLM(t, draft=d, config=cfg) as llm:
         candidates(llm, "draft")
@@ -465,8 +467,22 @@ def test_attention_is_timed_both_ways_at_each_context(tmp_path):
     try:
         seen = attention.time_attention(model, 1, [5, 6, 7], contexts=(40, 8), n_batch=16,
                                    decodes=3, warmup=1)
+        # step by step (idle-time slices): each cache fill and each timed decode one step
+        steps = attention.time_attention_steps(model, 1, [5, 6, 7], contexts=(40, 8),
+                                               n_batch=16, decodes=3, warmup=1)
+        n = 0
+        while True:
+            try:
+                next(steps)
+                n += 1
+            except StopIteration as done:
+                assert set(done.value) == {"contexts", "default", "off"}
+                break
     finally:
         model.close()
+    # fills: 8 tokens, then 32 more in two batches of 16, each of the two contexts; decodes:
+    # (1 + 3) turns x 2 settings at each of the two contexts
+    assert n == 2 * (1 + 2) + 2 * 4 * 2
     assert seen["contexts"] == [8, 40]
     assert len(seen["default"]) == len(seen["off"]) == 2
     assert all(x > 0 for x in seen["default"] + seen["off"])

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..config import (COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY, SCALE_CLIP, SCALE_PRIOR,
-                      SCALE_WINDOW)
+from ..config import (COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY, NEAR_MARGIN, SCALE_CLIP,
+                      SCALE_PRIOR, SCALE_WINDOW, STEADY_RUNS)
 from ..paths import home, write_text_atomic
 
 N_MAX = MAX_VERIFY
@@ -362,8 +362,51 @@ def measure_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
 
 
 def table_from(state: dict) -> CostTable:
-    """The table of a complete :func:`measure_table_steps` state."""
-    return CostTable([model_from(p) for p in state["points"]])
+    """The table of a complete :func:`measure_table_steps` or :func:`steady_table_steps`
+    state (the median of its measurements where it took several)."""
+    tables = [CostTable([model_from(p) for p in state["points"]])]
+    tables += [table_from(s) for s in state.get("again", [])]
+    return tables[0] if len(tables) == 1 else median_table(tables)
+
+
+def median_table(tables: list[CostTable]) -> CostTable:
+    """Each price the median of its readings in ``tables`` (measurements of one pair at the
+    same contexts)."""
+    def med(values):
+        return float(np.median(values))
+
+    points = []
+    for ps in zip(*(t.points for t in tables)):
+        p = ps[0]
+        points.append(replace(
+            p, target_batch_s=[med(v) for v in zip(*(q.target_batch_s for q in ps))],
+            draft_token_s=med([q.draft_token_s for q in ps]),
+            plain_token_s=med([q.plain_token_s for q in ps]),
+            draft_first_s=med([q.draft_first_s for q in ps]),
+            long_batch_s=[med(v) for v in zip(*(q.long_batch_s for q in ps))]))
+    return replace(tables[0], points=points)
+
+
+def steady_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
+                       verdict: Callable[[CostTable], float], near: float = NEAR_MARGIN,
+                       runs: int = STEADY_RUNS, repeats: int = 5,
+                       progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+    """:func:`measure_table_steps`, and where ``verdict`` of the table (1.0 its threshold)
+    lies within ``near`` of 1, ``runs`` - 1 more measurements of it (kept in
+    ``state["again"]``), so that :func:`table_from` takes the median of them all and two
+    measurements on one machine come to the same verdict."""
+    yield from measure_table_steps(tgt_seq, dft_seq, tokens, state, repeats=repeats,
+                                   progress=progress)
+    first = CostTable([model_from(p) for p in state["points"]])
+    if abs(verdict(first) - 1.0) >= near:
+        return
+    again = state.setdefault("again", [{} for _ in range(runs - 1)])
+    for i, s in enumerate(again):
+        say = (lambda what, i=i: progress(f"{what} (measurement {i + 2} of {runs}: the "
+                                          f"verdict is near its threshold)")) \
+            if progress is not None else None
+        yield from measure_table_steps(tgt_seq, dft_seq, tokens, s, repeats=repeats,
+                                       progress=say)
 
 
 def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 from ..config import COST_PROMPT
 from ..errors import SpeceeError
 from ..paths import write_text_atomic
-from .cost import cache_path, measure_table_steps, store, table_from
+from .cost import cache_path, steady_table_steps, store, table_from
 
 
 def provisional_costs():
@@ -119,6 +119,7 @@ class IdleCosts:
         from ..engine.draft_attention import draft_attention_steps
         from ..engine.sequence import Sequence
         from .mode import cost_key_steps, pair_state
+        from .variants import drafting_margin
 
         llm = self.llm
         t0 = time.perf_counter()
@@ -142,7 +143,7 @@ class IdleCosts:
         try:
             seq = Sequence(ctx)
             prompt = llm.prompt_tokens(COST_PROMPT)
-            for what in measure_table_steps(seq, llm.dft.seq, prompt, state):
+            for what in steady_table_steps(seq, llm.dft.seq, prompt, state, drafting_margin):
                 write_text_atomic(path, json.dumps(state))
                 yield what
         finally:

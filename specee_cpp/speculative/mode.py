@@ -144,7 +144,9 @@ def cost_model(llm, progress=None):
         from dataclasses import replace
 
         from ..config import COST_PROMPT
-        from .cost import load_or_measure, measure_table
+        from ..engine.timing import run_steps
+        from .cost import load_or_measure, steady_table_steps, table_from
+        from .variants import drafting_margin
 
         key, where = cost_key(llm, measure=True, progress=progress)
         prompt = llm.prompt_tokens(COST_PROMPT)
@@ -154,8 +156,11 @@ def cost_model(llm, progress=None):
             if progress is not None:
                 progress("the draft's flash attention, on and off")
             fa, seen = draft_attention(llm)
-            return replace(measure_table(llm.tgt.seq, llm.dft.seq, prompt, progress=progress),
-                           machine=where, draft_flash_attn=fa, draft_attention=seen)
+            state: dict = {}
+            run_steps(steady_table_steps(llm.tgt.seq, llm.dft.seq, prompt, state,
+                                         drafting_margin, progress=progress))
+            return replace(table_from(state), machine=where, draft_flash_attn=fa,
+                           draft_attention=seen)
 
         table = load_or_measure(key, measure)
         draft_attention(llm)   # the setting the draft runs with (the table's is a record)

@@ -77,6 +77,15 @@ def pays_from(costs, relative: float) -> float:
 
 
 
+def drafting_margin(costs) -> float:
+    """The draft model's best predicted speed over plain across WORK_LEVELS, over
+    MODEL_DRAFT_MARGIN: 1.0 is the verdict's threshold (``model_drafting_pays``)."""
+    from .cost import as_table
+
+    table = as_table(costs)
+    return max(predicted_speedup(table, a)[0] for a in WORK_LEVELS) / MODEL_DRAFT_MARGIN
+
+
 def model_drafting_pays(costs) -> bool:
     """Whether drafting with the draft ``costs`` were measured for is predicted to gain at
     least MODEL_DRAFT_MARGIN over plain decoding at some acceptance of WORK_LEVELS (at the
