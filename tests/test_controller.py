@@ -448,6 +448,19 @@ def test_a_draft_that_pays_only_near_full_acceptance_is_left_out():
     assert model_drafting_pays(cheaper) and MODEL_DRAFT_MARGIN > 1.0
 
 
+def test_only_a_verdict_near_its_margin_is_measured_again():
+    """How far a table's draft-model verdict lies from its margin, unclamped by plain
+    decoding: the AVX2 EPYC's (drafting 1.0002x at acceptance 0.9 against the 5% margin) is
+    near and is measured three times; a table where drafting loses by far (this CPU's shape)
+    or wins by far (a GPU's) is not."""
+    from specee_cpp.config import NEAR_MARGIN
+    from specee_cpp.speculative.variants import drafting_margin, model_drafting_pays
+
+    assert abs(drafting_margin(EPYC_S38) - 1.0) < NEAR_MARGIN
+    assert drafting_margin(CPU) < 1.0 - NEAR_MARGIN and not model_drafting_pays(CPU)
+    assert drafting_margin(GPU) > 1.0 + NEAR_MARGIN and model_drafting_pays(GPU)
+
+
 @pytest.mark.model
 def test_gamma_auto_leaves_out_a_draft_that_pays_only_near_full_acceptance(pair, model,
                                                                           tmp_path):

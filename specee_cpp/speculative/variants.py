@@ -78,12 +78,17 @@ def pays_from(costs, relative: float) -> float:
 
 
 def drafting_margin(costs) -> float:
-    """The draft model's best predicted speed over plain across WORK_LEVELS, over
-    MODEL_DRAFT_MARGIN: 1.0 is the verdict's threshold (``model_drafting_pays``)."""
+    """The draft model's best predicted speed over plain across WORK_LEVELS when it drafts
+    (1 to MAX_GAMMA tokens, however far below plain that is), over MODEL_DRAFT_MARGIN: the
+    verdict of ``model_drafting_pays`` flips at 1.0, and how far from it a table lies is
+    how much its noise could move it."""
+    from ..config import MAX_GAMMA
     from .cost import as_table
 
-    table = as_table(costs)
-    return max(predicted_speedup(table, a)[0] for a in WORK_LEVELS) / MODEL_DRAFT_MARGIN
+    c = as_table(costs).points[0]
+    best = max(c.expected_tps(a, g) * c.plain for a in WORK_LEVELS
+               for g in range(1, MAX_GAMMA + 1))
+    return best / MODEL_DRAFT_MARGIN
 
 
 def model_drafting_pays(costs) -> bool:
