@@ -143,6 +143,12 @@ def best_prefix(expect, costs) -> tuple[int, float]:
     return (g + 1, float(tps[g])) if tps[g] > plain else (0, plain)
 
 
+def free_draft_max(sampling) -> int:
+    """The longest free draft for this sampling: sampled verification reads a one-hot
+    n_vocab row per drafted token, so there no longer than the draft model's longest."""
+    return MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
+
+
 class ContextSource:
     """The free drafter as a speculative source: each round it proposes a continuation from
     the context and keeps the prefix that maximises expected tokens per second under this

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import (COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY, NEAR_MARGIN, SCALE_CLIP,
                       SCALE_PRIOR, SCALE_WINDOW, STEADY_RUNS)
+from ..engine.timing import run_steps
 from ..paths import home, write_text_atomic
 
 N_MAX = MAX_VERIFY
@@ -332,8 +333,7 @@ def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=COST_CONTEXTS,
     ``progress`` is told where it is (a first chat turn waits for all of it: 1 min 45 s
     with the default pair on the 2-core EPYC)."""
     state: dict = {}
-    for _ in measure_table_steps(tgt_seq, dft_seq, tokens, state, contexts, repeats, progress):
-        pass
+    run_steps(measure_table_steps(tgt_seq, dft_seq, tokens, state, contexts, repeats, progress))
     return table_from(state)
 
 
@@ -364,9 +364,13 @@ def measure_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
 def table_from(state: dict) -> CostTable:
     """The table of a complete :func:`measure_table_steps` or :func:`steady_table_steps`
     state (the median of its measurements where it took several)."""
-    tables = [CostTable([model_from(p) for p in state["points"]])]
-    tables += [table_from(s) for s in state.get("again", [])]
+    tables = [_first_table(state)] + [table_from(s) for s in state.get("again", [])]
     return tables[0] if len(tables) == 1 else median_table(tables)
+
+
+def _first_table(state: dict) -> CostTable:
+    """The table of a state's first (or only) measurement."""
+    return CostTable([model_from(p) for p in state["points"]])
 
 
 def median_table(tables: list[CostTable]) -> CostTable:
@@ -397,8 +401,7 @@ def steady_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
     measurements on one machine come to the same verdict."""
     yield from measure_table_steps(tgt_seq, dft_seq, tokens, state, repeats=repeats,
                                    progress=progress)
-    first = CostTable([model_from(p) for p in state["points"]])
-    if abs(verdict(first) - 1.0) >= near:
+    if abs(verdict(_first_table(state)) - 1.0) >= near:
         return
     again = state.setdefault("again", [{} for _ in range(runs - 1)])
     for i, s in enumerate(again):
@@ -430,9 +433,8 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
     (compute bound) being slowed by different neighbours.
     Medians of ``repeats`` after an untimed warm-up; both caches are left holding ``tokens``."""
     state: dict = {}
-    for _ in measure_steps(tgt_seq, dft_seq, tokens, state, repeats, n_context, clock,
-                           progress):
-        pass
+    run_steps(measure_steps(tgt_seq, dft_seq, tokens, state, repeats, n_context, clock,
+                            progress))
     return model_from(state)
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from ..config import MAX_FREE_VERIFY, MAX_VERIFY
 from ..engine.draft_attention import draft_attention
 from ..engine.modes import Mode, no_status, register
 from ..engine.plain import PLAIN
@@ -378,6 +377,25 @@ def verify_scale(llm, costs):
     return PairState.get(state.verify_scales, id(costs), VerifyScale)
 
 
+def spec_runner(llm, sampling, dft, policy, hist, note: str, context_for):
+    """A spec run's start function: each generation drafts with ``dft`` as ``policy`` says
+    and from the source ``context_for(prediction)`` makes (None: no free drafts; the
+    prediction a ``Prediction`` or None), records its output in ``hist`` where given, and
+    carries ``note``."""
+    from .decode import generate_spec
+    from .prediction import Prediction
+
+    def run(tokens, max_new, prediction=None):
+        context = context_for(Prediction(prediction) if prediction else None)
+        steps = generate_spec(llm.tgt.seq, dft, tokens, policy, sampling, context=context,
+                              max_new=max_new, is_eog=llm.model.is_eog)
+        if hist is not None:
+            steps = hist.recording(steps, llm.model.is_eog)
+        return with_note(steps, note)
+
+    return run
+
+
 class Spec(Mode):
     name = "spec"
     Options = SpecOptions
@@ -386,10 +404,8 @@ class Spec(Mode):
     help = "draft then verify (lossless); --gamma picks the draft length"
 
     def start(self, llm, sampling, opts):
-        from .decode import generate_spec
         from .policies import FixedGamma
-        from .context_drafter import ContextSource
-        from .prediction import Prediction
+        from .context_drafter import ContextSource, free_draft_max
         from .variants import MODEL_DRAFT_MARGIN, WORK_LEVELS, model_drafting_pays
 
         if deferred(llm, opts):
@@ -443,43 +459,30 @@ class Spec(Mode):
         if hist is not None:
             note += f"; and from your {len(hist.trie)} earlier output tokens"
 
-        # sampled verification reads a one-hot n_vocab row per drafted token: free drafts
-        # there no longer than the draft model's longest
-        follow_max = MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
+        follow_max = free_draft_max(sampling)
 
-        def run(tokens, max_new, prediction=None):
-            pred = Prediction(prediction) if prediction else None
+        def context_for(pred):
             if with_context:
-                context = ContextSource(costs, history=hist.trie if hist else None,
-                                        model=copy, follow_max=follow_max,
-                                        is_eog=llm.model.is_eog, guard=context_guard(costs),
-                                        verify_scale=verify_scale(llm, costs), prediction=pred)
-            else:   # the prediction alone, if any, drafts for free
-                context = ContextSource(None, prediction=pred, follow_max=follow_max,
-                                        is_eog=llm.model.is_eog) if pred else None
-            steps = generate_spec(llm.tgt.seq, dft, tokens, policy, sampling, context=context,
-                                  max_new=max_new, is_eog=llm.model.is_eog)
-            if hist is not None:
-                steps = hist.recording(steps, llm.model.is_eog)
-            return with_note(steps, note)
+                return ContextSource(costs, history=hist.trie if hist else None, model=copy,
+                                     follow_max=follow_max, is_eog=llm.model.is_eog,
+                                     guard=context_guard(costs),
+                                     verify_scale=verify_scale(llm, costs), prediction=pred)
+            # the prediction alone, if any, drafts for free
+            return ContextSource(None, prediction=pred, follow_max=follow_max,
+                                 is_eog=llm.model.is_eog) if pred else None
 
-        return run
+        return spec_runner(llm, sampling, dft, policy, hist, note, context_for)
 
     def _provisional(self, llm, sampling, opts):
         """A run before this machine's costs are known: drafts from the context (and the
         prediction) priced at the dearest verification measured on any machine, no draft
         model (its costs decide whether it pays at all); the draft stays loaded for the
         measurement that runs in idle time."""
-        from .context_drafter import ContextSource
-        from .decode import generate_spec
+        from .context_drafter import ContextSource, free_draft_max
         from .idle import provisional_costs
-        from .prediction import Prediction
-
-        from ..config import MAX_FREE_VERIFY, MAX_VERIFY
 
         costs = provisional_costs() if opts.context else None
         copy = copy_model(llm) if opts.context else None
-        follow_max = MAX_FREE_VERIFY - 1 if sampling.greedy else MAX_VERIFY - 1
         hist = history_drafts(llm) if opts.history else None
         note = ("this machine's draft/verify costs are not measured yet (they are measured "
                 "while idle): drafts from the context at prices safe on any machine, no "
@@ -488,19 +491,14 @@ class Spec(Mode):
             note += (f"; no draft-length controller for {llm.draft_path.name} (fit one with "
                      f"specee-cpp fit-controller, or pass --gamma N)")
 
-        def run(tokens, max_new, prediction=None):
-            pred = Prediction(prediction) if prediction else None
-            context = ContextSource(costs, history=hist.trie if hist else None, model=copy,
-                                    follow_max=follow_max, is_eog=llm.model.is_eog,
-                                    prediction=pred) \
-                if costs is not None or pred is not None else None
-            steps = generate_spec(llm.tgt.seq, None, tokens, 0, sampling, context=context,
-                                  max_new=max_new, is_eog=llm.model.is_eog)
-            if hist is not None:
-                steps = hist.recording(steps, llm.model.is_eog)
-            return with_note(steps, note)
+        def context_for(pred):
+            if costs is None and pred is None:
+                return None
+            return ContextSource(costs, history=hist.trie if hist else None, model=copy,
+                                 follow_max=free_draft_max(sampling), is_eog=llm.model.is_eog,
+                                 prediction=pred)
 
-        return run
+        return spec_runner(llm, sampling, None, 0, hist, note, context_for)
 
     def prepare(self, llm, opts, status=no_status) -> None:
         if deferred(llm, opts):

@@ -119,9 +119,10 @@ def generate_predicted(llm, prompt: list[int], prediction: list[int], sampling, 
     it, each draft verified by the target in one batch (the speculative loop without a draft
     model), priced without this machine's table at the dearest verification measured
     anywhere: what mode plain runs when given a prediction (engine/plain.py)."""
-    from .context_drafter import ContextSource
+    from .context_drafter import ContextSource, free_draft_max
     from .decode import generate_spec
 
-    context = ContextSource(None, prediction=Prediction(prediction), is_eog=llm.model.is_eog)
+    context = ContextSource(None, prediction=Prediction(prediction),
+                            follow_max=free_draft_max(sampling), is_eog=llm.model.is_eog)
     return generate_spec(llm.tgt.seq, None, prompt, 0, sampling, context=context,
                          max_new=max_new, is_eog=llm.model.is_eog)

@@ -95,10 +95,7 @@ def model_drafting_pays(costs) -> bool:
     """Whether drafting with the draft ``costs`` were measured for is predicted to gain at
     least MODEL_DRAFT_MARGIN over plain decoding at some acceptance of WORK_LEVELS (at the
     table's first context; a single CostModel is its own table)."""
-    from .cost import as_table
-
-    table = as_table(costs)
-    return max(predicted_speedup(table, a)[0] for a in WORK_LEVELS) >= MODEL_DRAFT_MARGIN
+    return drafting_margin(costs) >= 1.0
 
 
 def scaled_draft(costs, ratio: float):
