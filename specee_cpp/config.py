@@ -100,6 +100,12 @@ MODEL_DRAFT_MARGIN = 1.05
 # 1.42, 1.50 and 1.87 plain tokens within 20 minutes, enough to flip the verdict
 NEAR_MARGIN = 0.10
 STEADY_RUNS = 3
+# The first estimate of a machine's costs (speculative/cost.estimate_steps): rounds drafting
+# 0, 1, 2, 4 and 8 tokens (the draft model's verdict is read at up to MAX_GAMMA) and a
+# 64-row batch (free drafts), three samples each; seconds instead of the table's minutes
+ESTIMATE_SIZES = (1, 2, 3, 5, 9)
+ESTIMATE_LONG = (64,)
+ESTIMATE_REPEATS = 3
 SCREEN_CONTEXT = 128       # tokens cached before a variant's timed decodes (the table's first)
 SCREEN_TOKENS = 8          # draft decodes a timing sample
 SCREEN_REPEATS = 5         # samples a variant (the median is kept)

@@ -791,3 +791,43 @@ def test_the_model_policy_shares_the_pairs_scale_unless_told_not_to(pair, model,
             is None
     finally:
         forget_costs(pair)
+
+
+@pytest.mark.model
+def test_a_first_estimate_lets_the_draft_model_in_only_where_it_clearly_pays(pair, model,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    """While this machine's table is measured in idle time, runs are priced by its first
+    estimate (a few timed steps): the draft model drafts where the estimate says it pays
+    (the GPU's shape), not where it loses (this CPU's), and the output equals plain's."""
+    from specee_cpp.speculative import mode
+    from specee_cpp.speculative.cost import as_table
+
+    model.save(tmp_path / "ctl.npz")
+    opts = mode.SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz")
+    plain = pair.generate("def fib(n):", max_tokens=24).tokens
+    mode.forget_costs(pair)
+    monkeypatch.setattr(mode, "deferred", lambda llm, opts: True)   # the table not measured
+    state = mode.pair_state(pair)
+    drafted = {}
+    try:
+        for name, costs in (("gpu", GPU), ("cpu", CPU)):
+            state.estimate = as_table(costs)
+            res = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=opts)
+            assert res.tokens == plain, name
+            assert "first estimate" in res.stats.note, res.stats.note
+            drafted[name] = res.stats.by_source.get("model")
+        assert drafted["gpu"] and not drafted["cpu"]
+        assert "estimated not to pay" in res.stats.note
+        assert pair.draft_loaded   # kept for the measurement that refines the estimate
+    finally:
+        state.estimate = None
+
+
+def test_an_estimate_s_verdict_is_taken_only_where_it_is_clear(monkeypatch):
+    from specee_cpp.speculative import variants
+    from specee_cpp.speculative.mode import estimate_verdict
+
+    for margin, verdict in ((1.25, "pays"), (1.05, "near"), (0.95, "near"), (0.8, "loses")):
+        monkeypatch.setattr(variants, "drafting_margin", lambda costs, m=margin: m)
+        assert estimate_verdict(CPU) == verdict, margin

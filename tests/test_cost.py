@@ -533,3 +533,30 @@ def test_scaled_costs_multiply_the_batches_and_keep_the_unit():
     assert [p.context for p in st.points] == [128, 1024]
     assert st.at(500).verify(3) == pytest.approx(2.0 * table.at(500).verify(3))
     assert st.at(500).plain == pytest.approx(table.at(500).plain)
+
+
+def test_a_first_estimate_times_the_deciding_sizes_and_reads_the_rest_between():
+    """The estimate (seconds, where the table takes minutes) times rounds drafting 0/1/2/4/8
+    tokens and a 64-row batch, three samples each; every other size is read linearly between
+    them, so on a machine whose batches grow linearly it prices every size as the full
+    measurement does, with a small fraction of its samples."""
+    from specee_cpp.config import ESTIMATE_LONG, ESTIMATE_SIZES
+
+    now = [0.0]
+    t_plain = 0.035
+    verify = lambda n: t_plain * (1.0 + 0.5 * (n - 1))  # noqa: E731
+    tgt = _Clocked(now, verify, lambda t: 1.0)
+    dft = _Clocked(now, lambda n: 0.4 * t_plain * n, lambda t: 1.0)
+    state: dict = {}
+    n_estimate = sum(1 for _ in cost.estimate_steps(tgt, dft, list(range(10)), state,
+                                                    clock=lambda: now[0]))
+    assert sorted(map(int, state["batch"])) == list(ESTIMATE_SIZES)
+    assert state["long_sizes"] == list(ESTIMATE_LONG)
+    m = cost.model_from(state)
+    assert len(m.target_batch_s) == cost.N_MAX and m.context == 128
+    for n in range(1, 65):
+        assert m.verify(n) / m.plain == pytest.approx(verify(n) / t_plain, rel=1e-6), n
+    assert m.draft_token_s / m.plain == pytest.approx(0.4, rel=1e-6)
+    whole: dict = {}
+    n_table = sum(1 for _ in cost.measure_table_steps(tgt, dft, list(range(10)), whole))
+    assert n_estimate * 6 < n_table

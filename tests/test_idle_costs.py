@@ -69,10 +69,13 @@ def test_a_median_table_takes_each_price_s_median():
 
 def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_model):
     from specee_cpp.speculative.idle import partial_path
-    from specee_cpp.speculative.mode import SpecOptions, cost_key, forget_costs, idle_work
+    from specee_cpp.speculative.mode import (SpecOptions, cost_key, estimate_key,
+                                             estimated_costs, forget_costs, idle_work)
 
     key, _ = cost_key(pair)
     cache_path(key).unlink(missing_ok=True)
+    cache_path(estimate_key(pair)).unlink(missing_ok=True)
+    partial_path(key).unlink(missing_ok=True)   # another test's stopped measurement
     forget_costs(pair)
     pair.defer_costs = True
     opts = SpecOptions(gamma="auto")
@@ -85,6 +88,13 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
     lines: list[str] = []
     idle = idle_work(pair, "spec", opts, log=lines.append)
     assert idle is not None and idle.pending()
+    # first an estimate in a few timed steps, cached; runs are priced by it meanwhile
+    idle.run(stop=lambda: estimated_costs(pair) is not None)
+    assert cache_path(estimate_key(pair)).is_file() and not partial_path(key).exists()
+    assert any(line.startswith("first estimate: ") for line in lines), lines
+    est = pair.generate("def add(a, b):", chat=False, max_tokens=16, mode="spec",
+                        options=opts)
+    assert est.tokens == plain.tokens and "first estimate" in est.stats.note
     seen: list[str] = []
 
     def request_arrives() -> bool:   # once a few of the table's samples are on disk

@@ -440,12 +440,17 @@ def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,
 
 def measure_steps(tgt_seq, dft_seq, tokens: list[int], state: dict, repeats: int = 5,
                   n_context: int = COST_CONTEXTS[0], clock=time.perf_counter,
-                  progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+                  progress: Callable[[str], Any] | None = None,
+                  sizes: tuple[int, ...] | None = None,
+                  longs: list[int] | None = None) -> Iterator[str]:
     """:func:`measure` one timed sample at a time, its samples kept in ``state`` (see
     :func:`measure_table_steps`); :func:`model_from` makes the CostModel of a complete
     state. Each (re)start warms up and fills the caches untimed; both are left holding
-    ``tokens`` when it completes."""
-    longs = long_sizes(tgt_seq)
+    ``tokens`` when it completes. ``sizes`` (rounds' target batches, default 1..N_MAX) and
+    ``longs`` (longer batches, default ``long_sizes``) time fewer sizes, the others read
+    between them (an estimate: ``estimate_steps``)."""
+    longs = long_sizes(tgt_seq) if longs is None else [n for n in longs
+                                                        if n in long_sizes(tgt_seq)]
     biggest = max(N_MAX, *longs)
     n = min(n_context, tgt_seq.ctx.n_ctx - biggest - 1, dft_seq.ctx.n_ctx - N_MAX - 1)
     context = (tokens * (n // max(len(tokens), 1) + 1))[:max(n, len(tokens))]
@@ -487,7 +492,7 @@ def measure_steps(tgt_seq, dft_seq, tokens: list[int], state: dict, repeats: int
     base_d = len(dft_seq.tokens)
     dft_seq.feed(filler[:2])
     dft_seq.rewind(base_d)
-    for k in range(1, N_MAX + 1):
+    for k in sizes or range(1, N_MAX + 1):
         runs = batch.setdefault(str(k), [])
         while len(runs) < repeats:
             say(f"rounds drafting {k - 1} of {N_MAX - 1}")
@@ -531,14 +536,33 @@ def measure_steps(tgt_seq, dft_seq, tokens: list[int], state: dict, repeats: int
     dft_seq.rewind(len(tokens))
 
 
+def estimate_steps(tgt_seq, dft_seq, tokens: list[int], state: dict, clock=time.perf_counter,
+                   progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+    """A first estimate of the table's first point in seconds (7-14 s with the default pair on
+    2 cores, where the table takes about 2 minutes): only the sizes that decide whether the
+    draft model pays and what free drafts cost (ESTIMATE_SIZES, ESTIMATE_LONG), fewer
+    repeats, the rest read between them (``model_from``). Noisier than the table that
+    refines it: its verdict is taken only where it lies clearly on one side."""
+    from ..config import ESTIMATE_LONG, ESTIMATE_REPEATS, ESTIMATE_SIZES
+
+    yield from measure_steps(tgt_seq, dft_seq, tokens, state, ESTIMATE_REPEATS,
+                             n_context=COST_CONTEXTS[0], clock=clock, progress=progress,
+                             sizes=ESTIMATE_SIZES, longs=list(ESTIMATE_LONG))
+
+
 def model_from(state: dict) -> CostModel:
     """The CostModel of a complete :func:`measure_steps` state: each kind's median ratio to
     its reference, scaled by the median of every plain token timed (the references and the
     runs of four)."""
     unit = float(np.median(state["refs"] + state["plain"]))
     longs = state["long_sizes"]
-    batch = [float(np.median(state["batch"][str(k)])) for k in range(1, N_MAX + 1)]
-    return CostModel(target_batch_s=[r * unit for r in batch],
+    # sizes an estimate did not time read linearly between those it did (a plain step is
+    # 1 by definition where it timed no batch of 1)
+    timed = {1: 1.0, **{int(k): float(np.median(v)) for k, v in state["batch"].items()},
+             **{k: float(np.median(state["long"][str(k)])) for k in longs}}
+    xs = sorted(timed)
+    batch = np.interp(np.arange(1, N_MAX + 1), xs, [timed[x] for x in xs])
+    return CostModel(target_batch_s=[float(r) * unit for r in batch],
                      draft_token_s=float(np.median(state["single"])) * unit,
                      plain_token_s=unit,
                      draft_first_s=float(np.median(state["first"])) * unit,

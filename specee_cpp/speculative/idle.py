@@ -5,7 +5,9 @@ minutes on a 2-core machine. Where the command says so (``LLM.defer_costs``: cha
 and serve do), a run on a machine without one answers at once, with plain decoding and the
 context drafter at prices safe on any machine (``provisional_costs``), and the measurement
 runs in slices of idle time instead: between chat turns while the user types, between the
-server's requests. Each slice is one timed decode (a second or two at most: a prompt batch,
+server's requests. It starts with a first estimate (cost.estimate_steps: a few timed sizes,
+seconds), which prices the runs until the table replaces it: the draft model joins at once
+where the estimate clearly says it pays. Each slice is one timed decode (a second or two at most: a prompt batch,
 a verification of 64 rows); a request waits at most for the slice in flight, except for the
 choice of a ``NAME:auto`` variant, one slice (seconds a variant, minutes where one must be
 made first). The table's samples are kept on disk after every slice, so a measurement
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -97,11 +100,13 @@ class IdleCosts:
         return self.done
 
     def _work(self) -> Iterator[str]:
-        from .mode import measured_costs, pair_state
+        from .mode import estimated_costs, measured_costs, pair_state
         from .variants import choose, remember_choice
 
         llm = self.llm
         state = pair_state(llm)
+        if measured_costs(llm) is None and estimated_costs(llm) is None:
+            yield from self._estimate()
         if measured_costs(llm) is None:
             yield from self._table()
         if llm.draft_auto and state.variant_note is None:
@@ -114,10 +119,52 @@ class IdleCosts:
             if measured_costs(llm) is None:   # the variant chosen has a table of its own
                 yield from self._table()
 
-    def _table(self) -> Iterator[str]:
+    def _estimate(self) -> Iterator[str]:
+        """The first estimate (cost.estimate_steps): seconds, not kept half-taken."""
+        from .cost import estimate_steps, model_from
+        from .mode import estimate_key, estimate_verdict, pair_state
+
+        llm = self.llm
+        self.log(f"estimating this machine's draft/verify costs for {llm.draft_path.name} "
+                 f"while idle (a few seconds; the full measurement follows)")
+        state: dict = {}
+        with self._target_seq() as seq:
+            yield from estimate_steps(seq, llm.dft.seq, llm.prompt_tokens(COST_PROMPT), state)
+        table = store(estimate_key(llm), model_from(state))
+        pair_state(llm).estimate = table
+        c = table.points[0]
+        self.log(f"first estimate: a draft token {c.draft_token_s / c.plain:.2f} of a target "
+                 f"token, verify 2/5/9 rows {c.verify(2) / c.plain:.2f}/"
+                 f"{c.verify(5) / c.plain:.2f}/{c.verify(9) / c.plain:.2f} plain tokens: "
+                 + {"pays": "the draft model joins now",
+                    "loses": "the draft model is not expected to pay here",
+                    "near": "too close to call for the draft model"}[estimate_verdict(table)]
+                 + "; the full measurement refines it")
+        yield "the first estimate"   # a request arriving now is priced by it
+
+    @contextmanager
+    def _target_seq(self):
+        """A Sequence of the target in a context of its own (the conversation's cache is
+        kept); the draft's cache is left empty after."""
         from ..bindings import Context
-        from ..engine.draft_attention import draft_attention_steps
         from ..engine.sequence import Sequence
+
+        llm = self.llm
+        tgt = llm.tgt
+        ctx = Context(tgt.model, n_ctx=tgt.ctx.n_ctx, n_batch=llm.config.n_batch,
+                      n_threads=llm.config.threads)
+        try:
+            yield Sequence(ctx)
+        finally:
+            ctx.close()
+            if llm.draft_loaded:
+                try:
+                    llm.dft.seq.rewind(0)
+                except SpeceeError:   # the pair was closed with the measurement paused
+                    pass
+
+    def _table(self) -> Iterator[str]:
+        from ..engine.draft_attention import draft_attention_steps
         from .mode import cost_key_steps, pair_state
         from .variants import drafting_margin
 
@@ -137,22 +184,11 @@ class IdleCosts:
                      f"samples taken in an earlier run)")
         except (OSError, ValueError):
             state = {}
-        tgt = llm.tgt
-        ctx = Context(tgt.model, n_ctx=tgt.ctx.n_ctx, n_batch=llm.config.n_batch,
-                      n_threads=llm.config.threads)
-        try:
-            seq = Sequence(ctx)
+        with self._target_seq() as seq:
             prompt = llm.prompt_tokens(COST_PROMPT)
             for what in steady_table_steps(seq, llm.dft.seq, prompt, state, drafting_margin):
                 write_text_atomic(path, json.dumps(state))
                 yield what
-        finally:
-            ctx.close()
-            if llm.draft_loaded:
-                try:
-                    llm.dft.seq.rewind(0)
-                except SpeceeError:   # the pair was closed with the measurement paused
-                    pass
         table = store(key, replace(table_from(state), machine=where, draft_flash_attn=fa,
                                    draft_attention=seen))
         path.unlink(missing_ok=True)

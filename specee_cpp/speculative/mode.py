@@ -73,6 +73,7 @@ class PairState:
     corrections: dict[tuple, Any] = field(default_factory=dict)   # (kind, opts) -> Correction
     verify_scales: dict[int, Any] = field(default_factory=dict)   # id(costs) -> VerifyScale
     idle: Any = None                   # idle.IdleCosts: the table measured in idle time
+    estimate: Any = None               # cost.CostTable: the first estimate (estimated_costs)
 
     @staticmethod
     def get(table: dict, key, make: Callable[[], Any]) -> Any:
@@ -130,6 +131,42 @@ def cost_key_steps(llm, measure: bool = True, progress=None):
         where = {**where, "kernels": "; ".join(chosen)}
     return (f"{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
             f"-m{machine_id(where)}-v{MEASURE_VERSION}"), where
+
+
+def estimate_key(llm) -> str:
+    """Cache key of the first estimate of the pair's costs on this machine: the machine and
+    the read-ahead chosen at load, not the prompt kernels (measured after it: they price
+    prompt batches, which it does not time)."""
+    from ..provenance import machine, machine_id
+    from .cost import MEASURE_VERSION
+
+    where = machine(llm.config.threads)
+    if llm.read_ahead[0] is not None:
+        where = {**where, "kernels": f"READ_AHEAD={llm.read_ahead[0]}"}
+    return (f"estimate-{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
+            f"-m{machine_id(where)}-v{MEASURE_VERSION}")
+
+
+def estimated_costs(llm):
+    """The first estimate of this machine's costs for the pair (cost.estimate_steps, taken
+    first in idle time and cached), or None where it is not taken yet: measures nothing."""
+    from .cost import load_cached
+
+    state = pair_state(llm)
+    if state.estimate is None and llm.draft_path is not None:
+        state.estimate = load_cached(estimate_key(llm))
+    return state.estimate
+
+
+def estimate_verdict(costs) -> str:
+    """What a first estimate says of the draft model: "pays" or "loses" where its verdict
+    lies clearly (NEAR_MARGIN) on one side of the threshold, else "near" (the table that
+    refines it decides)."""
+    from ..config import NEAR_MARGIN
+    from .variants import drafting_margin
+
+    m = drafting_margin(costs)
+    return "pays" if m >= 1.0 + NEAR_MARGIN else "loses" if m <= 1.0 - NEAR_MARGIN else "near"
 
 
 def cost_model(llm, progress=None):
@@ -330,7 +367,7 @@ def history_drafts(llm) -> HistoryDrafts:
     return state.history
 
 
-def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
+def draft_policy(llm, opts: SpecOptions, kind: object = "spec", costs=None):
     """A fresh draft-length policy for one generation (policies keep per-run state), whose
     guard (what drafted rounds really reached against plain steps) lives as long as the
     loaded pair and these options: a chat's next turn, the server's next request and a
@@ -338,15 +375,18 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
     again for the drafted rounds that teach a fresh guard that drafting loses here (in
     64-token answers that was most of the answer); so does the correction of the round model
     (what its predicted acceptance came to on this pair). ``kind`` keeps apart the guards
-    of modes that verify differently (spec-ee passes its own options)."""
+    of modes that verify differently (spec-ee passes its own options). ``costs``: the table
+    to price rounds with (None: this machine's, ``cost_model``)."""
     from .policies import CostAware, make_policy
 
     g = opts.gamma
+    if costs is None and g in NEEDS_COSTS:
+        costs = cost_model(llm)
     if isinstance(g, int) and g >= llm.config.n_batch:
         raise SpeceeError(f"gamma must be in [0, {llm.config.n_batch}), got {g}")
     policy = make_policy(g, model=acceptance_model(llm, opts.controller) if g in NEEDS_MODEL
                          else None,
-                         costs=cost_model(llm) if g in NEEDS_COSTS else None,
+                         costs=costs if g in NEEDS_COSTS else None,
                          bpw=llm.model.bits_per_weight)
     state = pair_state(llm)
     if policy.guard is not None:
@@ -357,7 +397,7 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec"):
         policy.correction = PairState.get(state.corrections, (kind, opts),
                                           lambda: policy.correction) \
             if getattr(opts, "correction", True) else None
-    scale = verify_scale(llm, cost_model(llm)) if isinstance(policy, CostAware) \
+    scale = verify_scale(llm, costs) if isinstance(policy, CostAware) \
         and getattr(opts, "model_scale", True) else None
     if scale is not None:   # the context drafter's (Spec.start): one per pair and table
         policy.use_scale(scale)
@@ -404,14 +444,24 @@ class Spec(Mode):
     help = "draft then verify (lossless); --gamma picks the draft length"
 
     def start(self, llm, sampling, opts):
+        if deferred(llm, opts):
+            estimate = estimated_costs(llm)
+            if estimate is None:
+                return self._provisional(llm, sampling, opts)
+            return self._drafting(llm, sampling, opts, lambda: estimate, estimated=True)
+        chosen = choose_variant(llm) if llm.draft_auto and opts.gamma in NEEDS_COSTS else ""
+        return self._drafting(llm, sampling, opts, lambda: cost_model(llm), chosen=chosen)
+
+    def _drafting(self, llm, sampling, opts, table: Callable[[], Any], chosen: str = "",
+                  estimated: bool = False):
+        """A run priced by ``table()`` (read only where the options need costs): this
+        machine's measured table, or while that is measured in idle time its first estimate
+        (``estimated``), whose verdict on the draft model is taken only where it is clear."""
         from .policies import FixedGamma
         from .context_drafter import ContextSource, free_draft_max
         from .variants import MODEL_DRAFT_MARGIN, WORK_LEVELS, model_drafting_pays
 
-        if deferred(llm, opts):
-            return self._provisional(llm, sampling, opts)
         cost_aware = opts.gamma in NEEDS_COSTS
-        chosen = choose_variant(llm) if llm.draft_auto and cost_aware else ""
         why = ""
         if cost_aware and not has_controller(llm, opts):
             # the cost-aware default on a draft nobody fitted a controller for: no model
@@ -419,33 +469,44 @@ class Spec(Mode):
             policy = FixedGamma(0)
             why = (f"no draft-length controller for {llm.draft_path.name} (fit one with "
                    f"specee-cpp fit-controller, or pass --gamma N)")
+        elif estimated and estimate_verdict(table()) != "pays":
+            policy = FixedGamma(0)
+            why = ("model drafting " + ("is estimated not to pay" if estimate_verdict(table())
+                                        == "loses" else "is near its threshold")
+                   + " on a first estimate of this machine's costs; the full measurement "
+                     "(while idle) decides")
         else:
-            policy = draft_policy(llm, opts)
+            policy = draft_policy(llm, opts, costs=table() if cost_aware else None)
+            whose = "estimated" if estimated else "measured"
             if policy.plan_is_plain and cost_aware:
-                why = "model drafting cannot pay on this machine's measured costs"
-            elif cost_aware and not model_drafting_pays(cost_model(llm)):
+                why = f"model drafting cannot pay on this machine's {whose} costs"
+            elif cost_aware and not model_drafting_pays(table()):
                 policy = FixedGamma(0)
                 why = (f"model drafting gains under {MODEL_DRAFT_MARGIN - 1:.0%} at every "
                        f"acceptance {WORK_LEVELS[0]}-{WORK_LEVELS[-1]} on this machine's "
-                       f"measured costs")
+                       f"{whose} costs")
         if chosen and policy.plan_is_plain:
             why = f"{why}; {chosen}" if why else chosen
         with_context = cost_aware and opts.context
         if policy.plan_is_plain and not with_context:
             return self._plain(llm, sampling, f"gamma {opts.gamma}: plain decoding"
                                + (f", {why}" if why else ""))
-        costs = cost_model(llm) if with_context else None
+        costs = table() if with_context else None
         if policy.plan_is_plain:
-            llm.release_draft()   # only free drafts from the context will be tried
+            if not estimated:   # else the draft stays loaded for the measurement
+                llm.release_draft()   # only free drafts from the context will be tried
             note = (f"gamma {opts.gamma}: drafts from the context where they pay, else "
-                    f"plain; {why}; draft not in memory")
+                    f"plain; {why}" + ("" if estimated else "; draft not in memory"))
         else:
             note = (f"draft {llm.draft_path.name}, gamma {opts.gamma}"
                     + (", and drafts from the context where they pay" if with_context else ""))
         if chosen and not policy.plan_is_plain:
             note += f"; {chosen}"
+        if estimated:
+            note += ("; priced by a first estimate of this machine's draft/verify costs (a "
+                     "few timed steps), refined while idle")
         idle = pair_state(llm).idle
-        if idle is not None and idle.done and not idle.announced:
+        if idle is not None and idle.done and not idle.announced and not estimated:
             idle.announced = True
             note += "; this machine's costs were measured while idle and are in use from now"
         copy = copy_model(llm) if with_context else None
@@ -453,7 +514,8 @@ class Spec(Mode):
             note += " (acceptance by the copy model fitted for this target)"
         dft = None
         if not policy.plan_is_plain:
-            draft_attention(llm)   # before the draft's context is first used
+            if not estimated:   # an estimate was timed with the setting the draft has now
+                draft_attention(llm)   # before the draft's context is first used
             dft = llm.dft.seq
         hist = history_drafts(llm) if opts.history else None
         if hist is not None:

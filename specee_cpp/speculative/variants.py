@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MODEL_DRAFT_MARGIN, SCREEN_CONTEXT, SCREEN_REPEATS, SCREEN_TOKENS, WORK_LEVELS
+from ..config import (MODEL_DRAFT_MARGIN, NEAR_MARGIN, SCREEN_CONTEXT,
+                      SCREEN_REPEATS, SCREEN_TOKENS, STEADY_RUNS, WORK_LEVELS)
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR, write_text_atomic
 
@@ -165,15 +166,43 @@ def choose(llm, base_name: str, status) -> str:
         costs = scaled_draft(shipped, ratios[spec])
         scores[spec] = workload_score(costs, rel[spec])
         starts[spec] = pays_from(costs, rel[spec])
-    # equal scores (most often all 1.00: nothing pays at the work levels) go to the variant
-    # that starts paying at the lowest acceptance, then to the shipped draft. Decided by the
-    # shipped one alone, the Zen 5 EPYC's choice flipped on its table's noise: the shipped
-    # draft at 0.67 of a target token (build c763be6b) paid nowhere and the run drafted
-    # nothing, where the IQ4_NL 16k-head one (0.49 of it) ran HumanEval at 1.26-1.29x. A
-    # score at one top level instead was a coin toss between that one and the full-head
-    # IQ4_NL (0.76 of it, acceptance 0.98x): 1.077x against 1.098x predicted at the
-    # shipped draft's acceptance 1.0, 1.011x against 1.000x at 0.95
-    spec = max(scores, key=lambda k: (round(scores[k], 6), -starts[k], k == shipped_spec))
+    def pick(ratios: dict) -> str:
+        # equal scores (most often all 1.00: nothing pays at the work levels) go to the
+        # variant that starts paying at the lowest acceptance, then to the shipped draft.
+        # Decided by the shipped one alone, the Zen 5 EPYC's choice flipped on its table's
+        # noise: the shipped draft at 0.67 of a target token (build c763be6b) paid nowhere
+        # and the run drafted nothing, where the IQ4_NL 16k-head one (0.49 of it) ran
+        # HumanEval at 1.26-1.29x. A score at one top level instead was a coin toss between
+        # that one and the full-head IQ4_NL (0.76 of it, acceptance 0.98x): 1.077x against
+        # 1.098x predicted at the shipped draft's acceptance 1.0, 1.011x against 1.000x at
+        # 0.95
+        rank = {}
+        for k, r in ratios.items():
+            costs = scaled_draft(shipped, r)
+            rank[k] = (round(workload_score(costs, rel[k]), 6), -pays_from(costs, rel[k]),
+                       k == shipped_spec)
+        return max(rank, key=rank.get)
+
+    def swung(ratios: dict, win: str, rival: str) -> dict:
+        # the two screenings moved apart by NEAR_MARGIN: the winner's dearer, the rival's
+        # cheaper (the shipped draft is the screen's reference, its ratio 1 by definition)
+        h = NEAR_MARGIN / 2
+        return {k: r * (1 + h if k == win else 1 - h if k == rival else 1.0)
+                if k != shipped_spec else r for k, r in ratios.items()}
+
+    spec = pick(ratios)
+    near = [k for k in ratios if k != spec and pick(swung(ratios, spec, k)) == k]
+    if near:
+        # a choice that a screening's noise could turn: its contenders are screened twice
+        # more and each taken at the median of its three, so that two measurements on one
+        # machine choose alike
+        for k in sorted({spec, *near} - {shipped_spec}):
+            with status(f"timing draft variant {base_name}:{k} again (its choice is near "
+                        f"another's)"):
+                ratios[k] = draft_ratio(llm, path_of(k), runs=STEADY_RUNS)
+            costs = scaled_draft(shipped, ratios[k])
+            scores[k], starts[k] = workload_score(costs, rel[k]), pays_from(costs, rel[k])
+        spec = pick(ratios)
     set_draft(llm, path_of(spec))
     return (f"{base_name}:{spec} for this machine (draft token {ratios[spec]:.2f}x, acceptance "
             f"{rel[spec]:.2f}x the shipped draft's; predicted {scores[spec]:.2f}x plain, "
@@ -185,15 +214,12 @@ def choose(llm, base_name: str, status) -> str:
 
 
 
-def draft_ratio(llm, path: Path) -> float:
+def draft_ratio(llm, path: Path, runs: int = 1) -> float:
     """Seconds of the draft variant ``path``'s decodes over the loaded draft's, each sample
     paired with one of the loaded draft's timed right after it (a neighbour slowing the
-    machine slows both); the median of the pairs. Cached per machine with the cost tables
-    (one file per loaded draft, a ratio per variant file)."""
-    import numpy as np
-
-    from ..config import COST_PROMPT
-    from ..engine.llm import _Loaded
+    machine slows both); the median of the pairs. ``runs``: screenings to take the median
+    of (those missing are taken). Cached per machine with the cost tables (one file per
+    loaded draft, each variant file's screenings)."""
     from ..provenance import machine, machine_id
     from .cost import MEASURE_VERSION, cache_path
 
@@ -204,8 +230,21 @@ def draft_ratio(llm, path: Path) -> float:
         cached = json.loads(cache.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         cached = {}
-    if isinstance(cached.get(path.name), (int, float)):
-        return float(cached[path.name])
+    seen = cached.get(path.name)
+    seen = [seen] if isinstance(seen, (int, float)) else seen if isinstance(seen, list) else []
+    seen = [float(x) for x in seen if isinstance(x, (int, float))]
+    while len(seen) < runs:
+        seen.append(_screen(llm, path))
+        cached[path.name] = seen if len(seen) > 1 else seen[0]
+        write_text_atomic(cache, json.dumps(cached, indent=1))
+    return float(np.median(seen))
+
+
+def _screen(llm, path: Path) -> float:
+    """One screening of ``draft_ratio``: the median of SCREEN_REPEATS pairs."""
+    from ..config import COST_PROMPT
+    from ..engine.llm import _Loaded
+
     ref = llm.dft.seq
     tokens = llm.prompt_tokens(COST_PROMPT)
     context = (tokens * (SCREEN_CONTEXT // len(tokens) + 1))[:SCREEN_CONTEXT]
@@ -229,9 +268,7 @@ def draft_ratio(llm, path: Path) -> float:
         pairs = [timed(other.seq) / timed(ref) for _ in range(SCREEN_REPEATS)]
     finally:
         other.close()
-    cached[path.name] = float(np.median(pairs))
-    write_text_atomic(cache, json.dumps(cached, indent=1))
-    return cached[path.name]
+    return float(np.median(pairs))
 
 
 def choice_path(llm) -> Path:
