@@ -194,3 +194,14 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+# Early exit priced on this machine (early_exit/costs.py): each part of an exiting token
+# timed against plain tokens after EE_COST_CONTEXT cached tokens, EE_COST_REPEATS rounds;
+# a run probes only where the expected token time beats plain by EE_MARGIN (else it decodes
+# plainly), with exit rates learned as the answer goes: the calibration's rate counts as
+# EE_RATE_PRIOR probes, and the layers are chosen again every EE_REPLAN tokens
+EE_COST_CONTEXT = 128
+EE_COST_REPEATS = 7
+EE_MARGIN = 0.02
+EE_RATE_PRIOR = 32
+EE_REPLAN = 16

@@ -213,3 +213,55 @@ def test_mlp_forward_saturates_without_overflow():
     assert p == pytest.approx([0.5, 1 / (1 + np.exp(2.0)), 0.0])
     net = net[:4] + (np.array([1.0]), np.zeros(1))
     assert forward(net, X) == pytest.approx([0.5, 1 / (1 + np.exp(-2.0)), 1.0])
+
+
+def _exit_costs(probe: float, head: float = 0.0):
+    """ExitCosts in plain tokens of 1 s for a 28-layer model whose staged token costs what a
+    plain one does: a token exiting at layer l costs l / 28."""
+    from specee_cpp.early_exit.costs import ExitCosts
+
+    return ExitCosts(plain_s=1.0, staged_s=1.0, probe_s=probe, head_s=head, exit_lo_s=14 / 28,
+                     exit_hi_s=26 / 28, lo=14, hi=26, draft_s=0.5, n_layer=28)
+
+
+def test_an_exit_plan_keeps_only_layers_whose_savings_beat_their_probes():
+    from specee_cpp.early_exit.costs import LearnedPlan
+
+    c = _exit_costs(probe=0.01)
+    rates = {20: 0.3, 24: 0.2, 26: 0.001}
+    # a layer that almost never exits costs its probe for nothing: left out
+    layers, t = c.best_layers(list(rates), rates, "candidate", 0.0)
+    assert layers == [20, 24] and t < 1.0
+    assert t == pytest.approx(c.token_s([20, 24], rates, "candidate", 0.0))
+    # expected time by hand: probe 20; 0.3 exit there; 0.7 probe 24; 0.14 exit; rest to the end
+    want = 0.01 + 0.3 * 20 / 28 + 0.7 * 0.01 + 0.7 * 0.2 * 24 / 28 + 0.56 * 1.0
+    assert c.token_s([20, 24], rates, "candidate", 0.0) == pytest.approx(want)
+    # a draft token per token (half a plain one) outweighs what these exits save: the best
+    # layers to probe still lose to plain decoding, and a plan probes none
+    layers, t = c.best_layers(list(rates), rates, "candidate", 0.5)
+    assert t > 1.0
+    plan = LearnedPlan(c, rates, "candidate", 0.5)
+    assert plan.chosen == [] and plan.speed() == 1.0 and plan.probing_speed() == 1.0 / t
+    # SpecEE's head on every exit, a fifth of a token: dearer than the candidate rule
+    h = _exit_costs(probe=0.01, head=0.2)
+    assert h.token_s([20], rates, "argmax", 0.0) == pytest.approx(
+        h.token_s([20], rates, "candidate", 0.0) + 0.3 * 0.2)
+
+
+def test_a_learned_plan_drops_layers_whose_exits_do_not_come():
+    from specee_cpp.early_exit.costs import LearnedPlan
+
+    plan = LearnedPlan(_exit_costs(probe=0.01), {20: 0.3, 24: 0.2}, "candidate", 0.0,
+                       prior=8, every=4)
+    assert plan.chosen == [20, 24] and plan.speed() > 1.0
+    for _ in range(8):   # probed at both, never exiting
+        plan.record([20, 24], None)
+    assert plan.rates()[20] == pytest.approx(0.3 * 8 / 16)
+    for _ in range(80):   # a rate near 0.03 no longer pays a probe of 0.01 at layer 20
+        plan.record(plan.chosen, None)
+    assert plan.chosen == [] and plan.speed() == 1.0
+    # exits that come as the calibration said keep the plan
+    kept = LearnedPlan(_exit_costs(probe=0.01), {20: 0.3}, "candidate", 0.0, prior=8, every=4)
+    for i in range(40):
+        kept.record([20], 20 if i % 3 == 0 else None)
+    assert kept.chosen == [20]

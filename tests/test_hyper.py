@@ -59,10 +59,6 @@ def bundle(pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("hyper") / "smol.draft.npz"
     calibrate(pair, DraftCandidates(pair.dft.seq, k=4), CALIB, out,
               CalibConfig(n_tokens=24, min_layer=18, epochs=20, threshold=0.3, val_frac=0.4))
-    pred = Predictors.load(out)
-    # machine-load-dependent costs would make the scheduler (and so these tests) vary
-    pred.meta.pop("layer_cost_s"), pred.meta.pop("probe_cost_s")
-    pred.save(out)
     return out
 
 

@@ -94,23 +94,33 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 needs_draft=True, prediction="own"),
     BenchConfig("spec-auto-pred-unrelated", "ours", True, mode="spec",
                 options=SpecOptions(gamma="auto"), needs_draft=True, prediction="unrelated"),
-    # The defaults (ee-draft, spec-ee) run as a user gets them. Every other early-exit
-    # configuration is measured with --unsafe-exits: a benchmark reports their quality, and
-    # a provider/rule/target whose exits were measured above the target end to end
-    # (early_exit/mode.py: check_end_to_end) would otherwise be refused.
+    # The defaults (ee, ee-draft, spec-ee) run as a user gets them: ee decodes plainly where
+    # its exits cannot pay on this machine. Every other early-exit configuration probes
+    # anyway (--probe-always) and is measured with --unsafe-exits: a benchmark reports their
+    # quality, and a provider/rule/target whose exits were measured above the target end to
+    # end (early_exit/mode.py: check_end_to_end) would otherwise be refused.
+    BenchConfig("ee", "ours", False, mode="ee", options=EEOptions(), needs_draft=True),
     BenchConfig("ee-draft", "ours", False, mode="ee", options=EEOptions(provider="draft"),
                 needs_draft=True),
+    # the default's exits measured where they do not pay: probing anyway
+    BenchConfig("ee-draft-probed", "ours", False, mode="ee",
+                options=EEOptions(provider="draft", always=True), needs_draft=True),
     BenchConfig("ee-ngram", "ours", False, mode="ee",
-                options=EEOptions(provider="ngram", unsafe=True)),
+                options=EEOptions(provider="ngram", unsafe=True, always=True)),
     BenchConfig("ee-draft-cand", "ours", False, mode="ee",
-                options=EEOptions(provider="draft", rule="candidate", unsafe=True),
+                options=EEOptions(provider="draft", rule="candidate", unsafe=True, always=True),
                 needs_draft=True),
     BenchConfig("ee-ngram-cand", "ours", False, mode="ee",
+                options=EEOptions(provider="ngram", rule="candidate", unsafe=True, always=True)),
+    # the same as a user gets it (--unsafe-exits, no --probe-always): probing only the
+    # layers that pay on this machine's costs
+    BenchConfig("ee-ngram-cand-priced", "ours", False, mode="ee",
                 options=EEOptions(provider="ngram", rule="candidate", unsafe=True)),
     # the same at looser quality targets, and with the one 0.5 threshold of SpecEE's rule
     # at every layer (what ee did before the quality target)
     *[BenchConfig(f"ee-{p}-e{t:02d}", "ours", False, mode="ee",
-                  options=EEOptions(provider=p, max_exit_error=t / 100, unsafe=True),
+                  options=EEOptions(provider=p, max_exit_error=t / 100, unsafe=True,
+                                    always=True),
                   needs_draft=p == "draft")
       for t in (2, 5) for p in ("draft", "ngram")],
     # hyper-token exit in speculative verification (gamma 4), at two quality targets
@@ -119,7 +129,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("spec-ee-e05", "ours", False, mode="spec-ee",
                 options=SpecEEOptions(max_exit_error=0.05, unsafe=True), needs_draft=True),
     *[BenchConfig(f"ee-{p}-t05", "ours", False, mode="ee",
-                  options=EEOptions(provider=p, threshold=0.5, unsafe=True),
+                  options=EEOptions(provider=p, threshold=0.5, unsafe=True, always=True),
                   needs_draft=p == "draft")
       for p in ("draft", "ngram")],
     _spec_simple("lcpp-draft-4", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",

@@ -115,8 +115,9 @@ OptHistory = typer.Option(None, "--history/--no-history",
 OptController = typer.Option(None, "--controller",
                              help="spec: fitted draft-length controller (default: shipped).")
 OptProvider = typer.Option(None, "--provider",
-                           help="ee candidates: draft (default with a draft model) or ngram "
-                                "(default without).")
+                           help="ee candidates: draft or ngram (default: whichever this "
+                                "machine's costs predict fastest; draft only with a draft "
+                                "model).")
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
 OptMaxErr = typer.Option(None, "--max-exit-error",
@@ -127,6 +128,10 @@ OptUnsafe = typer.Option(None, "--unsafe-exits",
                          help="ee, spec-ee: allow exits whose error was not measured against "
                               "the quality target (a --threshold below 1, a bundle without "
                               "exit curves).")
+OptAlways = typer.Option(None, "--probe-always",
+                         help="ee: probe for exits even where this machine's costs say they "
+                              "cannot pay (to measure them); by default such a run decodes "
+                              "plainly and its stats line says why.")
 OptRule = typer.Option(None, "--exit-rule",
                        help="ee rule: argmax (SpecEE, default) or candidate.")
 
@@ -145,6 +150,7 @@ _MODE_PARAMS = {
     "exit_rule": ("rule", Optional[str], OptRule),
     "max_exit_error": ("max_exit_error", Optional[float], OptMaxErr),
     "unsafe_exits": ("unsafe", Optional[bool], OptUnsafe),
+    "probe_always": ("always", Optional[bool], OptAlways),
 }
 # mode option -> its flag as typed ("--context/--no-context" -> "--context")
 _MODE_FLAGS = {key: opt.param_decls[0].split("/")[0]

@@ -190,29 +190,6 @@ def choose_thresholds(curves: dict, rule: str, max_error: float = MAX_EXIT_ERROR
     return out
 
 
-def measure_costs(llm: LLM, prompt: list[int], probe_layers: list[int], n: int = 8) -> dict:
-    """Seconds per layer and per probe on this machine, from single-token staged decodes
-    (one segment to the end vs. the same with ``probe_layers`` probed), for the scheduler's
-    cost check."""
-    seq, ctx = llm.tgt.seq, llm.tgt.ctx
-    n_layer = llm.model.n_layer
-    seq.prefill(prompt)
-    base = len(seq.tokens)
-    cand = np.array([prompt[-4:]], dtype=np.int32)
-    times = {}
-    for kind in ("full", "probed", "full", "probed"):  # interleaved, second round kept
-        t0 = time.perf_counter()
-        for i in range(n):
-            seq.begin_staged([prompt[i % len(prompt)]])
-            for layer in (probe_layers if kind == "probed" else []):
-                ctx.stage_run(layer, cand)
-            ctx.stage_run(n_layer)
-        times[kind] = (time.perf_counter() - t0) / n
-        seq.rewind(base)
-    return {"layer_cost_s": times["full"] / n_layer,
-            "probe_cost_s": max(times["probed"] - times["full"], 0.0) / max(len(probe_layers), 1)}
-
-
 def add_curves(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
                cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
     """Measure the exit curves of an existing bundle on its validation prompts (the last
@@ -317,8 +294,9 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     rate = {layer: float((exits == layer).sum()) / n_tok for layer in layers}
     offline = offline_layers(rate)
     curves = exit_curves(pred, val, layers)
-    pred.meta.update(offline=offline, exit_rate=rate, exit_curves=curves,
-                     **measure_costs(llm, llm.prompt_tokens(prompts[0]), layers[::3]))
+    # no prices: what probes and layers cost is the machine's that runs them
+    # (early_exit/costs.py), not the calibrating one's
+    pred.meta.update(offline=offline, exit_rate=rate, exit_curves=curves)
     pred.save(out)
     report = {
         "bundle": str(out), "work": str(work), "machine": pred.meta["machine"], "layers": layers,

@@ -40,22 +40,23 @@ class DraftCandidates:
     def __init__(self, seq: Sequence, k: int = N_CAND):
         self.seq, self.k = seq, k
         self._logits: np.ndarray | None = None
-        self._pending: int | None = None
+        self._pending: list[int] = []
 
     def reset(self, prompt: list[int]) -> None:
         self._logits = self.seq.prefill(prompt)
-        self._pending = None
+        self._pending = []
 
     def accept(self, token: int, exited: bool = False) -> None:
-        # decoded lazily in propose(): the last token of a generation is never paid for.
+        # decoded lazily in propose(): the last token of a generation is never paid for, and
+        # tokens decoded without candidates (no layer paid) are caught up in one batch.
         # An exited token goes in like any other: the draft is a separate model, its next
         # candidates are its own opinion, not a copy of the token
-        self._pending = token
+        self._pending.append(token)
 
     def propose(self) -> np.ndarray:
-        if self._pending is not None:
-            self._logits = self.seq.feed([self._pending])
-            self._pending = None
+        if self._pending:
+            self._logits = self.seq.feed(self._pending)
+            self._pending = []
         return top_k(self._logits, self.k)
 
 

@@ -19,6 +19,7 @@ from ..config import LOOP_REPEATS, LOOP_SPAN
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
 from .candidates import CandidateProvider
+from .costs import LearnedPlan
 from .features import features
 from .predictor import Predictors
 from .scheduler import Scheduler
@@ -40,9 +41,12 @@ def looping(tokens: list[int], span: int = LOOP_SPAN, repeats: int = LOOP_REPEAT
 
 def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
                 predictors: Predictors, scheduler: Scheduler, thresholds: dict[int, float],
-                rule: str = "argmax") -> Iterator[Step]:
+                rule: str = "argmax", plan: LearnedPlan | None = None) -> Iterator[Step]:
     """``thresholds``: the firing threshold of each layer that may be probed (early_exit/mode.py's
-    exit_plan: from the quality target, or one for all)."""
+    exit_plan: from the quality target, or one for all). ``plan``: the layers worth probing
+    on this machine's costs, learned as the answer goes (early_exit/costs.py), probed in
+    place of the scheduler's; while it holds none, tokens are decoded plainly, without
+    candidates (None: the layers the scheduler lists)."""
     ctx = seq.ctx
     n_layer = ctx.model.n_layer
     k = predictors.k
@@ -59,15 +63,25 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
         out.append(token)
         t0 = clock()
         provider.accept(token, exited=exit_layer is not None)
+        if plan is not None and not plan.chosen:
+            # no layer pays here now: a plain decode, no candidates asked for
+            seq.decode([token])
+            token, exit_layer = seq.argmax(), None
+            timings = {"decode": clock() - t0}
+            continue
         cand = provider.propose()
         t_draft = clock() - t0
-        layers = scheduler.layers() if len(cand) and not looping(out[-LOOP_SPAN * LOOP_REPEATS:]) \
-            else []
+        # the plan's layers where it holds (chosen by what they cost and save here), else
+        # SpecEE's schedule
+        layers = (plan.chosen if plan is not None else scheduler.layers()) \
+            if len(cand) and not looping(out[-LOOP_SPAN * LOOP_REPEATS:]) else []
         t_layers = t_probe = t_head = 0.0
         exit_layer, nxt, prev, finished = None, -1, None, False
+        probed: list[int] = []
         seq.begin_staged([token])
         try:
             for layer in layers:
+                probed.append(layer)
                 t0 = clock()
                 probe = ctx.stage_run(layer, cand[None, :])[0]
                 t1 = clock()
@@ -102,5 +116,7 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
                 seq.abort_staged(1)  # the cache must not keep a half-decoded token
             raise
         scheduler.record(exit_layer)
+        if plan is not None:
+            plan.record(probed, exit_layer)
         token = nxt
         timings = {"draft": t_draft, "layers": t_layers, "probe": t_probe, "head": t_head}

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ..config import MAX_EXIT_ERROR, N_CAND
 from ..engine.modes import Mode, register
 from ..errors import SpeceeError
 from ..paths import BUNDLE_DIR
+from .costs import LearnedPlan, exit_costs
 
 
 @dataclass(frozen=True)
 class EEOptions:
     """Early exit (SpecEE) settings; ``None`` fields come from the predictor bundle."""
 
-    # draft | ngram; None: the draft's top-k when a draft model is loaded, else the n-grams
+    # draft | ngram; None: the one predicted fastest on this machine's costs (the draft's
+    # top-k only where a draft model is loaded)
     provider: str | None = None
     predictors: Path | None = None    # bundle path; None: the one shipped for the target
     threshold: float | None = None    # one threshold for every layer (overrides the target)
@@ -27,6 +30,9 @@ class EEOptions:
     # exits whose error was not measured against the target (a forced threshold below 1, a
     # bundle without exit curves) run only when asked for by name
     unsafe: bool = False
+    # probe even where this machine's costs say exits cannot pay (to measure them); by
+    # default such a run decodes plainly and says why
+    always: bool = False
 
     def __post_init__(self) -> None:
         if self.provider not in (None, "draft", "ngram"):
@@ -130,6 +136,8 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
     if opts.threshold is not None or not curves:
         t = pred.threshold if opts.threshold is None else opts.threshold
         note = f"threshold {t} at every layer" + ("" if curves else " (bundle without exit curves)")
+        if t >= 1.0:   # never fires: no exit to expect
+            rates = {l: 0.0 for l in pred.layers}
         return {l: t for l in pred.layers}, rates, offline, note
     check_end_to_end(pred, opts)
     thresholds = choose_thresholds(curves, opts.rule, opts.max_exit_error)
@@ -150,17 +158,62 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
     return thresholds, rates, offline, note
 
 
-def plan(llm, pred, opts: EEOptions):
+def plan(llm, pred, opts: EEOptions, costs=None):
     """(threshold per probed layer, a fresh scheduler, note) for one generation: the exit
-    plan of these options and SpecEE's scheduler over the layers it allows."""
+    plan of these options and SpecEE's scheduler over the layers it allows, its per-layer
+    cost check priced with ``costs`` (this machine's ExitCosts; None: none)."""
     from .scheduler import Scheduler
 
     thresholds, rates, offline, note = exit_plan(pred, opts)
     sched = Scheduler(n_layer=llm.model.n_layer, offline=offline,
                       allowed=set(thresholds), exit_rate=rates,
-                      layer_cost=pred.meta.get("layer_cost_s", 0.0),
-                      probe_cost=pred.meta.get("probe_cost_s", 0.0))
+                      layer_cost=costs.staged_s / llm.model.n_layer if costs else 0.0,
+                      probe_cost=costs.probe_s if costs else 0.0)
     return thresholds, sched, note
+
+
+def candidates_cost(costs, provider: str) -> float:
+    """Seconds a token's candidates cost: a draft decode, or (n-grams) a few dictionary
+    lookups, nothing next to a decode."""
+    return costs.draft_s if provider == "draft" else 0.0
+
+
+def priced(llm, opts: EEOptions) -> tuple[EEOptions, Any, str]:
+    """(options with the provider to run, the LearnedPlan of its best layers, why) where
+    exits are predicted to pay on this machine by EE_MARGIN, else (opts, None, why): the
+    providers worth trying (without ``opts.provider``: the draft's where a draft model is
+    loaded, and the n-grams) each priced with this machine's costs at its calibration's
+    exit rates, the fastest kept."""
+    from ..config import EE_MARGIN
+
+    if opts.provider == "draft" and llm.draft_path is None:
+        raise SpeceeError("the draft provider needs a draft model (--draft)")
+    names = [opts.provider] if opts.provider else (
+        ["draft", "ngram"] if llm.draft_path is not None else ["ngram"])
+    tried = []
+    best = None
+    for name in names:
+        o = replace(opts, provider=name)
+        try:
+            pred = predictors(llm, o)
+            thresholds, rates, _, _ = exit_plan(pred, o)
+        except SpeceeError as e:
+            if opts.provider or name == names[-1] and best is None:
+                raise
+            tried.append(f"no {name} candidates ({str(e).split('; ')[0]})")
+            continue
+        costs = exit_costs(llm, pred)
+        lp = LearnedPlan(costs, {l: rates.get(l, 0.0) for l in thresholds}, o.rule,
+                         candidates_cost(costs, name))
+        tried.append(f"{lp.probing_speed():.2f}x plain with {name} candidates")
+        if best is None or lp.probing_speed() > best[1].probing_speed():
+            best = (o, lp, costs)
+    o, lp, costs = best
+    why = (f"early exit predicted at {', '.join(tried)} on this machine's costs "
+           f"({costs.describe(draft='draft' in names)})")
+    if lp.probing_speed() < 1.0 + EE_MARGIN:
+        return opts, None, why
+    return o, lp, why
 
 
 def describe_target(opts) -> str:
@@ -180,21 +233,40 @@ class EarlyExit(Mode):
     def start(self, llm, sampling, opts):
         from .decode import generate_ee
 
+        from ..engine.plain import PLAIN
         from ..engine.steps import with_note
 
+        chosen, learned, why = priced(llm, opts)
+        if learned is None and not opts.always:
+            # no layer pays here: plain decoding. The draft stays loaded: freeing it right
+            # before a decode slowed that decode on a 2-core machine (its memory reclaimed on
+            # the same cores), and the server's next request may draft with it
+            start = PLAIN.start(llm, sampling, PLAIN.Options())
+            note = (f"plain decoding: {why}; no layer's exits pay for their probes "
+                    f"(--probe-always probes anyway)")
+            return lambda tokens, max_new: with_note(start(tokens, max_new), note)
         if opts.provider is None:
-            opts = replace(opts, provider="draft" if llm.draft_path is not None else "ngram")
+            opts = chosen if learned is not None else replace(
+                opts, provider="draft" if llm.draft_path is not None else "ngram")
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
-        thresholds, sched, note = plan(llm, pred, opts)
-        # one token a step: nothing to keep within max_tokens
-        return lambda tokens, max_new: with_note(
-            generate_ee(llm.tgt.seq, tokens, provider, pred, sched, thresholds,
-                        rule=opts.rule), note)
+
+        def run(tokens, max_new):
+            thresholds, sched, note = plan(llm, pred, opts)
+            lp = None
+            if not opts.always:   # a plan of its own each answer: rates learned per answer
+                lp = LearnedPlan(learned.costs, learned.prior_rates, opts.rule,
+                                 learned.candidates_s)
+                note += f"; {opts.provider} candidates, {why}"
+            # one token a step: nothing to keep within max_tokens
+            return with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
+                                         thresholds, rule=opts.rule, plan=lp), note)
+
+        return run
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode ee {opts.provider or 'auto'} {opts.rule} "
-                f"{describe_target(opts)}")
+                f"{describe_target(opts)}" + (" --probe-always" if opts.always else ""))
 
 
 register(EarlyExit())

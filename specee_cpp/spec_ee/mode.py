@@ -52,6 +52,7 @@ class SpecEE(Mode):
     help = "draft then verify, the verify batch exiting early together (greedy; lossy)"
 
     def start(self, llm, sampling, opts):
+        from ..early_exit.costs import exit_costs
         from ..early_exit.mode import plan, predictors
         from ..engine.draft_attention import draft_attention
         from ..engine.steps import with_note
@@ -66,8 +67,13 @@ class SpecEE(Mode):
                       + ("" if not policy.plan_is_plain else
                          ": never drafts on this machine's measured costs (plain decoding)"))
 
+        # a batch exits only where every deciding row settles: each layer's probe is priced
+        # with this machine's costs (early_exit/costs.py), except where exits are forced to
+        # be measured (--unsafe-exits)
+        costs = None if opts.unsafe else exit_costs(llm, pred)
+
         def run(tokens, max_new):
-            thresholds, sched, note = plan(llm, pred, opts.ee)
+            thresholds, sched, note = plan(llm, pred, opts.ee, costs)
             verifier = HyperVerifier(pred, sched, thresholds, opts.rule)
             return with_note(generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling,
                                            verifier=verifier, max_new=max_new,
