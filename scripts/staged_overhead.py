@@ -8,14 +8,12 @@ token pays before any exit saves anything.
 One token after 128 cached ones, decoded in turn by ``llama_decode`` (its greedy token read
 in C, as plain decoding does) and staged in 1, 2, 4, 8 and 14 segments (boundaries spread
 over the upper half of the layers, where exits are probed; logits read as early exit reads
-them); each kind's median, as a ratio to llama_decode's, measured in one run.
+them); each kind's median after a warm-up round, as a ratio to llama_decode's, in one run.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 
 def main() -> int:
@@ -29,6 +27,7 @@ def main() -> int:
 
     from specee_cpp.config import COST_PROMPT, LoadConfig
     from specee_cpp.engine.llm import LLM
+    from specee_cpp.engine.timing import time_calls
     from specee_cpp.models.registry import load_registry
 
     model = args.model or load_registry().pair("default")[0].name
@@ -58,20 +57,12 @@ def main() -> int:
 
         kinds = {"llama_decode": plain, **{f"staged, {n} segment{'s' * (n > 1)}": staged(n)
                                            for n in (1, 2, 4, 8, 14) if n < n_layer // 2}}
-        seen: dict[str, list[float]] = {k: [] for k in kinds}
-        for r in range(args.repeats + 1):   # the first round warms up
-            for name, run in kinds.items():
-                t0 = time.perf_counter()
-                run()
-                dt = time.perf_counter() - t0
-                seq.rewind(base)
-                if r:
-                    seen[name].append(dt)
-        ref = statistics.median(seen["llama_decode"])
+        med = time_calls({name: (run, lambda: seq.rewind(base)) for name, run in kinds.items()},
+                         args.repeats)
+        ref = med["llama_decode"]
         print(f"{llm.model.path.name}, {n_layer} layers, one token after 128 cached, "
               f"{args.repeats} rounds (medians)")
-        for name, v in seen.items():
-            m = statistics.median(v)
+        for name, m in med.items():
             print(f"  {name:<22} {1e3 * m:7.2f} ms  {m / ref:.3f}x")
     return 0
 

@@ -265,3 +265,21 @@ def test_a_learned_plan_drops_layers_whose_exits_do_not_come():
     for i in range(40):
         kept.record([20], 20 if i % 3 == 0 else None)
     assert kept.chosen == [20]
+
+
+def test_calls_timed_in_turn_undo_each_call_and_skip_the_warm_up():
+    """engine.timing.time_calls (early exit's prices, scripts/staged_overhead.py): each
+    call's median over the counted rounds, its undo run after every call and not timed."""
+    from specee_cpp.engine.timing import time_calls
+
+    now = [0.0]
+    undone: list[str] = []
+    cost = {"a": [5.0, 1.0, 2.0, 3.0], "b": [9.0, 4.0, 4.0, 6.0]}   # first round: warm-up
+
+    def call(name):
+        def run():
+            now[0] += cost[name].pop(0)
+        return run, lambda: (undone.append(name), now.__setitem__(0, now[0] + 100.0))
+
+    med = time_calls({n: call(n) for n in cost}, rounds=3, warmup=1, clock=lambda: now[0])
+    assert med == {"a": 2.0, "b": 4.0} and undone == ["a", "b"] * 4

@@ -122,7 +122,8 @@ def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) 
     (a machine slowing down slows all alike), medians of ``repeats`` after a warm-up; the
     caches are left holding the measured context (the next prefill keeps what it shares).
     A staged token that fails half-way is undone by the caller's error path: none here."""
-    from ..early_exit.features import features
+    from ..engine.timing import time_calls
+    from .features import features
 
     seq, ctx = llm.tgt.seq, llm.tgt.ctx
     n_layer, k = llm.model.n_layer, pred.k
@@ -165,35 +166,23 @@ def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) 
             ctx.stage_exit(full_head=False)
         return run
 
-    parts = {"plain": plain, "staged": staged, "probed": probed, "headed": headed,
-             "exit_lo": exiting(lo), "exit_hi": exiting(hi)}
-    seen: dict[str, list[float]] = {name: [] for name in parts}
-    draft: list[float] = []
+    def undo():
+        seq.rewind(base)
+
+    calls = {name: (run, undo) for name, run in
+             (("plain", plain), ("staged", staged), ("probed", probed), ("headed", headed),
+              ("exit_lo", exiting(lo)), ("exit_hi", exiting(hi)))}
     if llm.draft_path is not None:
         dft = llm.dft.seq
         dft.prefill(context, read=False)
         d_base = len(dft.tokens)
-    for r in range(repeats + 1):      # the first round warms up
-        for name, run in parts.items():
-            t0 = clock()
-            run()
-            dt = clock() - t0
-            seq.rewind(base)
-            if r:
-                seen[name].append(dt)
-        if llm.draft_path is not None:
-            t0 = clock()
-            dft.feed([context[0]])
-            dt = clock() - t0
-            dft.rewind(d_base)
-            if r:
-                draft.append(dt)
-    med = {name: float(np.median(v)) for name, v in seen.items()}
+        calls["draft"] = (lambda: dft.feed([context[0]]), lambda: dft.rewind(d_base))
+    med = time_calls(calls, repeats, warmup=1, clock=clock)
     return ExitCosts(plain_s=med["plain"], staged_s=med["staged"],
                      probe_s=max(med["probed"] - med["staged"], 0.0),
                      head_s=max(med["headed"] - med["probed"], 0.0),
                      exit_lo_s=med["exit_lo"], exit_hi_s=med["exit_hi"], lo=lo, hi=hi,
-                     draft_s=float(np.median(draft)) if draft else 0.0, n_layer=n_layer)
+                     draft_s=med.get("draft", 0.0), n_layer=n_layer)
 
 
 class LearnedPlan:

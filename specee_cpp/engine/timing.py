@@ -22,6 +22,25 @@ def run_steps(steps: Steps) -> Any:
             return done.value
 
 
+def time_calls(calls: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], rounds: int,
+               warmup: int = 1, clock: Callable[[], float] = time.perf_counter
+               ) -> dict[str, float]:
+    """Median seconds of each of ``calls`` ({name: (run, undo)}), the calls taking turns
+    round by round (a machine slowing down slows them all); ``undo``, untimed, puts back
+    what ``run`` changed (a decoded token removed from the cache). ``warmup`` rounds first
+    are not counted."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(warmup + rounds):
+        for name, (run, undo) in calls.items():
+            t0 = clock()
+            run()
+            dt = clock() - t0
+            undo()
+            if i >= warmup:
+                times[name].append(dt)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def time_in_turn(runs: dict, batch, tokens: list[int], pos: int, decodes: int,
                  warmup: int = 2, swap: bool = False, rows: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:

@@ -469,10 +469,10 @@ class Spec(Mode):
             policy = FixedGamma(0)
             why = (f"no draft-length controller for {llm.draft_path.name} (fit one with "
                    f"specee-cpp fit-controller, or pass --gamma N)")
-        elif estimated and estimate_verdict(table()) != "pays":
+        elif estimated and (verdict := estimate_verdict(table())) != "pays":
             policy = FixedGamma(0)
-            why = ("model drafting " + ("is estimated not to pay" if estimate_verdict(table())
-                                        == "loses" else "is near its threshold")
+            why = ("model drafting " + ("is estimated not to pay" if verdict == "loses"
+                                        else "is near its threshold")
                    + " on a first estimate of this machine's costs; the full measurement "
                      "(while idle) decides")
         else:
