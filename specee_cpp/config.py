@@ -131,7 +131,12 @@ BODY_READ_S = 30.0         # a request's body, whole, once its headers are in
 
 # early exit (early_exit/)
 THRESHOLD_GRID = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)   # calibrated
-MIN_FIRES = 10             # held-out exits a layer needs at a threshold to be trusted there
+# the quality targets (--max-exit-error) calibration fits thresholds for; another target
+# takes the plan of the loosest of these not above it
+EXIT_TARGETS = (0.005, 0.01, 0.02, 0.05, 0.1)
+# a plan's exits are accepted where this one-sided confidence bound of their held-out error
+# is within the target (0 wrong of 299 exits bounds it at 1%)
+EXIT_ERROR_CONFIDENCE = 0.95
 LOOP_SPAN, LOOP_REPEATS = 16, 3   # the repetition guard: a block of up to 16, 3 times in a row
 PAD_GAP = 30.0             # feature value of a probe with no earlier one (a large gap)
 

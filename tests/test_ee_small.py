@@ -1,6 +1,8 @@
 """Early exit end to end on SmolLM2-135M: calibration, exact fallback, exits reported."""
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from specee_cpp.config import LoadConfig
@@ -40,6 +42,39 @@ def test_calibration_writes_bundle_and_report(bundle, small_model):
     from pathlib import Path
 
     assert len(list(Path(report["work"]).glob("*.npz"))) == len(PROMPTS)
+    # the bundle lists every prompt it saw, and keeps a plan per rule and quality target,
+    # each meeting its target on the held-out prompts (quality.choose_plans)
+    from specee_cpp.config import EXIT_TARGETS
+    from specee_cpp.early_exit.quality import upper_bound
+
+    assert len(pred.meta["prompts"]) == len(PROMPTS)
+    assert pred.meta["exit_plans"] == report["exit_plans"]
+    for rule in ("argmax", "candidate"):
+        plans = report["exit_plans"][rule]
+        assert list(plans) == [f"{t:g}" for t in EXIT_TARGETS]
+        for t, p in plans.items():
+            assert p["tokens"] == report["validation_tokens"]
+            assert not p["thresholds"] or upper_bound(p["wrong"], p["exits"]) <= float(t)
+
+
+def test_held_out_error_measures_only_prompts_the_bundle_did_not_see(bundle, small_llm):
+    from specee_cpp.early_exit.calibrate import held_out_error
+
+    out, _ = bundle
+    pred = Predictors.load(out)
+    fresh = ["Name three colours, then the same three again.", "Write the alphabet backwards."]
+    figures = held_out_error(small_llm, NgramCandidates(k=4), pred,
+                             [("seen", PROMPTS[0]), ("new", fresh[0]), ("new", fresh[1])],
+                             [0.01, 0.9])
+    assert figures["prompts"] == 2
+    for rule in ("argmax", "candidate"):
+        for t in ("0.01", "0.9"):
+            f = figures[rule][t]
+            assert set(f) == {"all", "new"} and f["all"] == f["new"]
+            assert f["all"]["tokens"] > 24 and 0 <= f["all"]["wrong"] <= f["all"]["exits"]
+    with pytest.raises(SpeceeError, match="does not list the prompts"):
+        held_out_error(small_llm, NgramCandidates(k=4), replace(pred, meta={}),
+                       [("new", fresh[0])], [0.01])
 
 
 def test_threshold_one_reproduces_plain(bundle, small_llm):
@@ -159,3 +194,45 @@ def test_staged_overhead_script_reports_each_segment_count(small_model):
                                                for n in (1, 2, 4, 8, 14)], out.stdout
     assert float(ratios["llama_decode"]) == 1.0
     assert all(float(r) > 0 for r in ratios.values())   # the figures: BENCHMARKS.md
+
+
+def test_candidates_are_asked_for_only_at_tokens_that_will_be_probed(bundle, small_llm):
+    """A token with no layer to probe is a plain decode: the provider (a draft decode per
+    call) is not asked, and catches up on the tokens in between when next asked."""
+    from specee_cpp.early_exit.decode import generate_ee
+
+    out, _ = bundle
+    pred = Predictors.load(out)
+
+    class EveryThird:           # SpecEE's scheduler, probing at every third token only
+        n = 0
+
+        def layers(self):
+            self.n += 1
+            return [pred.layers[0]] if self.n % 3 == 0 else []
+
+        def record(self, exit_layer):
+            pass
+
+    class Counting:
+        k, name = 4, "counting"
+
+        def reset(self, prompt):
+            self.asked, self.accepted = [], 0
+
+        def accept(self, token, exited=False):
+            self.accepted += 1
+
+        def propose(self):
+            self.asked.append(self.accepted)
+            return np.array([1, 2, 3, 4], dtype=np.int32)
+
+    prompt = small_llm.prompt_tokens(PROMPTS[1])
+    plain = small_llm.generate(PROMPTS[1], max_tokens=24).tokens
+    provider = Counting()
+    steps = generate_ee(small_llm.tgt.seq, prompt, provider, pred, EveryThird(),
+                        {l: 1.0 for l in pred.layers})
+    tokens = [next(steps).token for _ in range(24)]
+    steps.close()
+    assert tokens == plain
+    assert provider.asked == [3 * i for i in range(1, 8)]

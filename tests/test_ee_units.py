@@ -128,40 +128,125 @@ def test_prompt_file_errors(tmp_path):
 
 # ---- the quality target ---------------------------------------------------------------------
 
-def test_thresholds_meet_the_target_or_leave_the_layer_out():
-    from specee_cpp.early_exit.calibrate import THRESHOLD_GRID, choose_thresholds
+def test_plans_raise_the_erring_layer_until_the_bound_meets_the_target():
+    from specee_cpp.config import THRESHOLD_GRID
+    from specee_cpp.early_exit.quality import choose_plans, upper_bound
 
-    n = len(THRESHOLD_GRID)
-    curves = {"grid": list(THRESHOLD_GRID), "n_tokens": 1000, "argmax": {
-        # fires and wrong exits at each threshold, loosest first
-        "14": [[200, 20]] * 3 + [[100, 1]] + [[50, 0]] * (n - 4),  # meets 1% at the 4th
-        "15": [[300, 30]] * n,                                       # never
-        "16": [[9, 0]] * n,                                          # too few exits to trust
-        "17": [[500, 4]] + [[400, 0]] * (n - 1),                     # at the loosest already
-    }}
-    assert choose_thresholds(curves, "argmax", 0.01) == {14: THRESHOLD_GRID[3],
-                                                         17: THRESHOLD_GRID[0]}
-    assert choose_thresholds(curves, "argmax", 0.0) == {14: THRESHOLD_GRID[4],
-                                                        17: THRESHOLD_GRID[1]}
-    assert choose_thresholds(curves, "argmax", 0.1)[15] == THRESHOLD_GRID[0]
+    n = 400
+    wrong = np.arange(n) < 20                     # at layer 20, 20 tokens' argmax is 5, not 7
+    rec = {"n_cand": np.full(n, 2), "cand": np.tile([5, 7], (n, 1)),
+           "logits": np.zeros((2, n, 2)), "final": np.full(n, 7),
+           "argmax": np.stack([np.where(wrong, 5, 7), np.full(n, 7)])}
+    # layer 20 is less sure of its wrong tokens (0.85) than of its right ones (0.95); layer
+    # 21 is sure of everything (0.97)
+    pred = _ScriptedPredictors({20: np.where(wrong, 0.85, 0.95), 21: 0.97})
+    plans = choose_plans(pred, [rec], [20, 21], "argmax", (0.005, 0.01, 0.1))
+    assert list(plans) == ["0.005", "0.01", "0.1"]
+    # loosest target: everything exits at 20, 20 of 400 wrong (5%, bound under 10%)
+    assert plans["0.1"]["thresholds"] == {"20": 0.5, "21": 0.5}
+    assert (plans["0.1"]["exits"], plans["0.1"]["wrong"]) == (400, 20)
+    # 1%: layer 20 raised past 0.85, its uncertain tokens exit right at 21: none wrong
+    # of 400 (bound 0.75%)
+    p = plans["0.01"]
+    assert p["thresholds"] == {"20": THRESHOLD_GRID[4], "21": 0.5}
+    assert (p["exits"], p["wrong"]) == (400, 0) and p["rates"] == {"20": 0.95, "21": 0.05}
+    # 0.5% needs more than 400 clean exits: no plan at all
+    assert upper_bound(0, 400) > 0.005 and plans["0.005"]["thresholds"] == {}
 
 
-def test_exit_plan_from_curves_and_an_explicit_threshold():
-    from specee_cpp.early_exit.calibrate import THRESHOLD_GRID
+def test_error_bounds_are_clopper_pearson():
+    from specee_cpp.early_exit.quality import _binom_cdf, interval, lower_bound, upper_bound
+
+    # no exit wrong: the bound solves (1 - p)^n = 5%, 1% needs 299 exits
+    assert upper_bound(0, 299) <= 0.01 < upper_bound(0, 298)
+    assert upper_bound(0, 50) == pytest.approx(1 - 0.05 ** (1 / 50), rel=1e-6)
+    # with some wrong, the bound is where seeing that few becomes a 5% event
+    for wrong, n in ((3, 1000), (12, 400)):
+        assert _binom_cdf(wrong, n, upper_bound(wrong, n)) == pytest.approx(0.05, rel=1e-4)
+        low = lower_bound(wrong, n)
+        assert 1 - _binom_cdf(wrong - 1, n, low) == pytest.approx(0.05, rel=1e-4)
+        lo, hi = interval(wrong, n)
+        assert lo < low < wrong / n < upper_bound(wrong, n) < hi
+    assert lower_bound(0, 100) == 0.0 and upper_bound(0, 0) == 1.0 and upper_bound(5, 5) == 1.0
+
+
+class _ScriptedPredictors:
+    """Predictor probabilities set per layer (one for every token, or one each); records
+    the features each probe saw."""
+    k = 2
+
+    def __init__(self, prob: dict):
+        self.p, self.seen = prob, []
+
+    def prob(self, layer, x):
+        self.seen.append((layer, np.array(x)))
+        return np.broadcast_to(self.p[layer], x.shape[:-1])
+
+
+def test_simulated_exits_probe_the_allowed_layers_in_order_and_count_wrong_tokens():
+    from specee_cpp.early_exit.features import softmax
+    from specee_cpp.early_exit.quality import exit_error, simulate
+
+    layers = [10, 11, 12]
+    lg = np.array([[[0.0, 1.0]], [[3.0, 0.0]], [[2.0, 0.5]]])     # (layer, token, k)
+    rec = {"n_cand": np.array([2]), "cand": np.array([[5, 7]]), "logits": lg,
+           "argmax": np.array([[7], [9], [7]]), "final": np.array([7])}
+    pred = _ScriptedPredictors({10: 0.4, 11: 0.99, 12: 0.9})
+    # layer 11 would fire but is not allowed; 10 does not fire; 12 fires with a candidate
+    exits, correct = simulate(pred, rec, layers, {10: 0.5, 12: 0.5})
+    assert exits.tolist() == [12] and correct.tolist() == [True]
+    # the change feature at 12 is taken from the previous probe, layer 10, not 11
+    (l10, x10), (l12, x12) = pred.seen
+    assert (l10, l12) == (10, 12)
+    np.testing.assert_allclose(x12[0, 4:], softmax(lg[2, 0]) - softmax(lg[0, 0]))
+    # SpecEE's rule: a layer whose argmax is no candidate does not exit, however sure
+    pred = _ScriptedPredictors({10: 0.4, 11: 0.99, 12: 0.9})
+    assert simulate(pred, rec, layers, {11: 0.5})[0].tolist() == [-1]
+    # the candidate rule emits the top candidate (7 at 10, 5 at 11): wrong when not final
+    pred = _ScriptedPredictors({10: 0.4, 11: 0.99, 12: 0.9})
+    exits, correct = simulate(pred, rec, layers, {11: 0.5, 12: 0.5}, rule="candidate")
+    assert exits.tolist() == [11] and correct.tolist() == [False]
+    # a token with no candidates is never probed
+    empty = dict(rec, n_cand=np.array([0]))
+    assert simulate(pred, empty, layers, {10: 0.0})[0].tolist() == [-1]
+    m = exit_error(_ScriptedPredictors({10: 0.4, 11: 0.99, 12: 0.9}), [rec, rec, empty], layers,
+                   {11: 0.5, 12: 0.5}, rule="candidate")
+    assert (m["tokens"], m["exits"], m["wrong"], m["error"]) == (3, 2, 2, 1.0)
+    assert m["mean_exit_layer"] == 11 and m["low"] > 0.1 and m["high"] == 1.0
+
+
+def test_the_held_out_split_spans_the_pool():
+    from specee_cpp.early_exit.calibrate import split
+
+    train, val = split(list(range(100)), 0.4)
+    assert len(val) == 40 and len(train) == 60 and not set(train) & set(val)
+    # a pool sorted by category: its last categories are not all the plans see
+    assert min(val) < 10 and max(val) > 90
+    assert split([0, 1], 0.4) == ([1], [0])
+
+
+def test_exit_plan_takes_the_plan_of_the_target_and_an_explicit_threshold():
     from specee_cpp.early_exit.mode import EEOptions, exit_plan
 
     fit = (np.zeros(12), np.ones(12), np.zeros((12, 2)), np.zeros(2), np.zeros(2), 0.0)
-    n = len(THRESHOLD_GRID)
-    curves = {"grid": list(THRESHOLD_GRID), "n_tokens": 100,
-              "argmax": {"5": [[40, 0]] * n, "6": [[30, 10]] * n},
-              "candidate": {"5": [[60, 30]] * n, "6": [[50, 25]] * n}}
-    pred = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={"exit_curves": curves})
+    plan = {"thresholds": {"5": 0.9}, "rates": {"5": 0.4}, "exits": 400, "wrong": 1,
+            "tokens": 1000}
+    none = {"thresholds": {}, "rates": {}, "exits": 0, "wrong": 0, "tokens": 1000}
+    plans = {"argmax": {"0.005": none, "0.01": plan, "0.05": dict(plan, thresholds={
+                 "5": 0.5, "6": 0.7}, rates={"5": 0.5, "6": 0.2})},
+             "candidate": {"0.01": none}}
+    pred = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={"exit_plans": plans})
     th, rates, offline, note = exit_plan(pred, EEOptions(provider="ngram"))
-    assert th == {5: 0.5} and rates == {5: 0.4} and offline == [5] and "exits at 1 of 2 layers" in note
-    # the held-out exits at the chosen thresholds: 40 fired, none wrong
-    assert "agreed with full depth 100.0%" in note
-    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", rule="candidate"))
-    assert th == {} and "every token at full depth" in note
+    assert th == {5: 0.9} and rates == {5: 0.4} and offline == [5]
+    assert "exits at 1 of 2 layers" in note and "1 of 400 exits differed" in note
+    # another target takes the loosest calibrated one not above it
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.03))[0] == {5: 0.9}
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.2))[0] == {5: 0.5, 6: 0.7}
+    for o in (EEOptions(provider="ngram", max_exit_error=0.004),
+              EEOptions(provider="ngram", max_exit_error=0.005),
+              EEOptions(provider="ngram", rule="candidate")):
+        th, _, _, note = exit_plan(pred, o)
+        assert th == {} and "every token at full depth" in note
     th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", threshold=0.9, unsafe=True))
     assert th == {5: 0.9, 6: 0.9} and "every layer" in note
     # exits whose error is not measured against the target run only when asked for
@@ -169,20 +254,23 @@ def test_exit_plan_from_curves_and_an_explicit_threshold():
         EEOptions(provider="ngram", threshold=0.9)
     assert EEOptions(threshold=1.0).threshold == 1.0     # never fires: nothing to risk
     bare = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={})
-    with pytest.raises(SpeceeError, match="no exit curves.*--curves-only"):
+    with pytest.raises(SpeceeError, match="no exit plans.*fit it again"):
         exit_plan(bare, EEOptions(provider="ngram"))
     assert exit_plan(bare, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.5, 6: 0.5}
-    # measured end to end (scripts/record_exit_error.py): refused at a target the exits
-    # missed by more than two standard errors, allowed within them or at another target
+    # measured on prompts the calibration did not see (scripts/exit_error.py): refused at a
+    # target below the whole interval, allowed where the interval reaches it
     pred.meta["end_to_end"] = {"argmax": {
-        "0.01": {"exit_error": 0.045, "se": 0.008, "n_exits": 610, "source": "bench X"},
-        "0.02": {"exit_error": 0.025, "se": 0.004, "n_exits": 900, "source": "bench X"}}}
-    with pytest.raises(SpeceeError, match=r"measured at 4.5% wrong .*bench X.*--unsafe-exits"):
+        "0.01": {"error": 0.045, "low": 0.03, "high": 0.06, "exits": 610, "prompts": "P"},
+        "0.05": {"error": 0.055, "low": 0.045, "high": 0.066, "exits": 900, "prompts": "P"}}}
+    with pytest.raises(SpeceeError, match=r"measured at 4.5% wrong \(3.0%-6.0%, 610 exits on P"
+                                          r".*--unsafe-exits"):
         exit_plan(pred, EEOptions(provider="ngram"))
-    assert exit_plan(pred, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.5}
-    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.02))[0]
-    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.03))[0]
-    assert exit_plan(pred, EEOptions(provider="ngram", rule="candidate"))[0] == {}
+    assert exit_plan(pred, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.9}
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.05))[0]
+    # a target between the calibrated ones takes the stricter plan, and its measured error
+    with pytest.raises(SpeceeError, match="measured at 4.5% wrong"):
+        exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.029))
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.031))[0] == {5: 0.9}
     with pytest.raises(SpeceeError, match="max_exit_error"):
         EEOptions(max_exit_error=1.5)
 

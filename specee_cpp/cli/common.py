@@ -121,13 +121,13 @@ OptProvider = typer.Option(None, "--provider",
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
 OptMaxErr = typer.Option(None, "--max-exit-error",
-                         help="ee quality target: per layer, the loosest threshold whose exits "
-                              "emitted another token than full depth at most this often on "
-                              "held-out calibration prompts (default 0.01).")
+                         help="ee quality target: exits emit another token than full depth "
+                              "at most this often (95% bound on the calibration's held-out "
+                              "prompts; default 0.01).")
 OptUnsafe = typer.Option(None, "--unsafe-exits",
                          help="ee, spec-ee: allow exits whose error was not measured against "
                               "the quality target (a --threshold below 1, a bundle without "
-                              "exit curves).")
+                              "exit plans).")
 OptAlways = typer.Option(None, "--probe-always",
                          help="ee: probe for exits even where this machine's costs say they "
                               "cannot pay (to measure them); by default such a run decodes "

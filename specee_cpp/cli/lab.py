@@ -33,16 +33,12 @@ def calibrate(
     min_layer: int = typer.Option(0, "--min-layer", help="First calibrated layer (0: half)."),
     threshold: float = typer.Option(0.5, "--threshold",
                                     help="Exit threshold stored in the bundle."),
-    curves_only: bool = typer.Option(
-        False, "--curves-only",
-        help="Keep the bundle's predictors; measure only its exit curves (the quality target's "
-             "data) on its validation prompts."),
     n_ctx: int = OptCtx, threads: int = OptThreads,
 ) -> None:
-    """Fit the early-exit predictors and the offline schedule on dev prompts, and measure
-    each layer's exit curve (exit rate and error by threshold) on held-out ones."""
+    """Fit the early-exit predictors and the offline schedule on dev prompts, and
+    choose on held-out ones, per quality target, the thresholds whose exits stay within it."""
     from ..bench.prompts import fitting_pool, load_spec_bench
-    from ..early_exit.calibrate import CalibConfig, add_curves, calibrate as run_calibration
+    from ..early_exit.calibrate import CalibConfig, calibrate as run_calibration
     from ..early_exit.mode import bundle_path, candidates
     from ..engine.llm import LLM
 
@@ -59,12 +55,7 @@ def calibrate(
             def progress(desc: str, done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total, description=desc)
 
-            run = add_curves if curves_only else run_calibration
-            report = run(llm, cands, texts, out, cfg, progress=progress)
-    if curves_only:
-        _print_curves(report["exit_curves"])
-        err.print(f"[green]wrote[/green] exit curves into {out}", soft_wrap=True)
-        return
+            report = run_calibration(llm, cands, texts, out, cfg, progress=progress)
     table = Table(title=f"exit predictors ({provider}), validation split")
     for col in ("layer", "precision", "recall", "label rate", "exit rate"):
         table.add_column(col)
@@ -73,26 +64,30 @@ def calibrate(
         table.add_row(str(layer), f"{r['precision']:.2f}", f"{r['recall']:.2f}",
                       f"{r['positive_rate']:.2f}", f"{rates.get(layer, 0):.3f}")
     err.print(table)
-    _print_curves(report["exit_curves"])
     from ..provenance import describe
 
     err.print(f"measured on: {describe(report['machine'])}")
     err.print(f"offline schedule {report['offline']}; exit ratio {report['exit_ratio']:.2f}, "
               f"agreement {report['exit_agreement']}, mean exit layer {report['mean_exit_layer']}")
+    _print_plans(report["exit_plans"])
     err.print(f"[green]wrote[/green] {out}", soft_wrap=True)
 
 
-def _print_curves(curves: dict) -> None:
-    """Per rule, each layer's exit rate and the error of those exits at every threshold."""
-    for rule in ("argmax", "candidate"):
-        ct = Table(title=f"{rule} rule, validation prompts ({curves['n_tokens']} tokens): "
-                         f"exit rate / error of those exits, by threshold")
-        ct.add_column("layer")
-        for t in curves["grid"]:
-            ct.add_column(str(t))
-        for layer, curve in curves[rule].items():
-            ct.add_row(layer, *(f"{f / max(curves['n_tokens'], 1):.2f}/{w / f:.2f}" if f else "-"
-                                for f, w in curve))
+def _print_plans(plans: dict) -> None:
+    """Per rule and quality target: the layers allowed to exit, at what threshold, and how
+    their exits fared together on the held-out prompts."""
+    from ..early_exit.quality import upper_bound
+
+    for rule, by_target in plans.items():
+        ct = Table(title=f"{rule} rule: exits within each --max-exit-error on the held-out "
+                         f"prompts (95% bound)")
+        for col in ("target", "layers (threshold)", "exit ratio", "wrong", "bound"):
+            ct.add_column(col)
+        for t, p in by_target.items():
+            layers = " ".join(f"{l}({th:g})" for l, th in p["thresholds"].items()) or "none"
+            ct.add_row(t, layers, f"{p['exits'] / max(p['tokens'], 1):.2f}",
+                       f"{p['wrong']}/{p['exits']}", f"{upper_bound(p['wrong'], p['exits']):.2%}"
+                       if p["exits"] else "-")
         err.print(ct)
 
 

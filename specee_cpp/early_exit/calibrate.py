@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import MAX_EXIT_ERROR, MIN_FIRES, N_CAND, THRESHOLD_GRID
+from ..config import EXIT_TARGETS, N_CAND
 from ..engine.llm import LLM
 from ..engine.plain import generate_plain
 from ..errors import SpeceeError
@@ -29,11 +29,10 @@ from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
 from ..mlp import train_mlp
 from .predictor import Predictors, stack
+from .quality import RULES, choose_plans, exit_error, plan_for, simulate
 from .scheduler import offline_layers
 
 Progress = Callable[[str, int, int], None]
-
-RULES = ("argmax", "candidate")
 
 
 
@@ -42,7 +41,8 @@ class CalibConfig:
     n_tokens: int = 48          # continuation length per prompt
     min_layer: int = 0          # first calibrated layer (0: n_layer // 2)
     k: int = N_CAND
-    val_frac: float = 0.2       # last prompts held out for the validation report
+    # prompts held out (spread over the pool) for the exit plans and the validation report
+    val_frac: float = 0.4
     hidden: int = 128
     epochs: int = 60
     threshold: float = 0.5
@@ -118,100 +118,18 @@ def training_arrays(rec: dict, layers: list[int], j: int, k: int, gaps) -> tuple
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def simulate_exits(pred: Predictors, rec: dict, layers: list[int], threshold: float,
-                   rule: str = "argmax") -> np.ndarray:
-    """Exit layer of every token when all calibrated layers are probed (-1: no exit), and
-    whether it emitted the full-depth token."""
-    ok = rec["n_cand"] > 0
-    lg = rec["logits"]
-    exits = np.full(len(rec["final"]), -1)
-    correct = np.zeros(len(rec["final"]), dtype=bool)
-    for t in np.nonzero(ok)[0]:
-        prev = None
-        cands = rec["cand"][t, :rec["n_cand"][t]]
-        for j, layer in enumerate(layers):
-            x, prev = features(lg[j, t], prev, pred.k)
-            if pred.prob(layer, x) <= threshold:
-                continue
-            tok = int(cands[int(np.argmax(lg[j, t][:len(cands)]))]) if rule == "candidate" \
-                else int(rec["argmax"][j, t])
-            if tok in cands:
-                exits[t], correct[t] = layer, tok == rec["final"][t]
-                break
-    return np.stack([exits, correct])
+def split(records: list, val_frac: float) -> tuple[list, list]:
+    """(training, held-out) records: the held-out ones spread evenly over the list, so that
+    every category of a pool sorted by category is in both."""
+    n_val = max(1, int(len(records) * val_frac))
+    held = {i * len(records) // n_val for i in range(n_val)}
+    return ([r for i, r in enumerate(records) if i not in held],
+            [r for i, r in enumerate(records) if i in held])
 
 
-def exit_curves(pred: Predictors, records: list[dict], layers: list[int]) -> dict:
-    """Per rule and layer, on held-out records with each layer probed on its own (first-probe
-    features): at every threshold of THRESHOLD_GRID, the tokens the layer would exit and how
-    many of them would differ from the full-depth token. JSON-ready:
-    ``{"n_tokens": N, "grid": [...], rule: {layer: [[fires, wrong], ...]}}``."""
-    out: dict = {"grid": list(THRESHOLD_GRID), **{r: {} for r in RULES}}
-    n_tokens = 0
-    for j, layer in enumerate(layers):
-        prob, final, by_rule = [], [], {r: ([], []) for r in RULES}   # emitted, allowed
-        for rec in records:
-            ok = rec["n_cand"] > 0
-            lg = rec["logits"][j][ok]
-            prob.append(pred.prob(layer, features(lg, None, pred.k)[0]))
-            final.append(rec["final"][ok])
-            cands, n_c, am = rec["cand"][ok], rec["n_cand"][ok], rec["argmax"][j][ok]
-            real = np.arange(cands.shape[1])[None, :] < n_c[:, None]
-            # argmax rule: the layer's own argmax, only when it is one of the candidates
-            by_rule["argmax"][0].append(am)
-            by_rule["argmax"][1].append(((cands == am[:, None]) & real).any(axis=1))
-            # candidate rule: the top probed candidate, always
-            top = np.where(real, lg[:, :cands.shape[1]], -np.inf).argmax(axis=1)
-            by_rule["candidate"][0].append(cands[np.arange(len(cands)), top])
-            by_rule["candidate"][1].append(np.ones(len(cands), dtype=bool))
-        p, f = np.concatenate(prob), np.concatenate(final)
-        n_tokens = len(f)
-        for rule, (emit, allowed) in by_rule.items():
-            emit, allowed = np.concatenate(emit), np.concatenate(allowed)
-            wrong = emit != f
-            out[rule][str(layer)] = [[int(((p > t) & allowed).sum()),
-                                      int(((p > t) & allowed & wrong).sum())]
-                                     for t in THRESHOLD_GRID]
-    out["n_tokens"] = n_tokens
-    return out
-
-
-def choose_thresholds(curves: dict, rule: str, max_error: float = MAX_EXIT_ERROR,
-                      min_fires: int = MIN_FIRES) -> dict[int, float]:
-    """Per layer, the lowest threshold at which the layer's held-out exits met the quality
-    target (at least ``min_fires`` of them, at most ``max_error`` of those wrong); a layer
-    that meets it nowhere is left out (not probed at all)."""
-    out = {}
-    for layer, curve in curves[rule].items():
-        for t, (fires, wrong) in zip(curves["grid"], curve):
-            if fires >= min_fires and wrong <= max_error * fires:
-                out[int(layer)] = float(t)
-                break
-    return out
-
-
-def add_curves(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Path,
-               cfg: CalibConfig = CalibConfig(), progress: Progress | None = None) -> dict:
-    """Measure the exit curves of an existing bundle on its validation prompts (the last
-    ``val_frac`` of ``prompts``, the ones it was not trained on) and store them in it: the
-    quality target for a bundle fitted before curves existed, without refitting it."""
-    out = Path(out)
-    pred = Predictors.load(out)
-    pred.check_target(llm.model.sha256, llm.model.n_layer, llm.model.path)
-    if pred.meta.get("provider") != provider.name:
-        raise SpeceeError(f"{out.name} was fitted with the {pred.meta.get('provider')} "
-                          f"provider, not {provider.name}")
-    n_val = max(1, int(len(prompts) * cfg.val_frac))
-    val = collect(llm, provider, prompts[-n_val:], pred.layers, cfg, progress)
-    curves = exit_curves(pred, val, pred.layers)
-    pred.meta.update(exit_curves=curves, curves_on=f"{len(val)} held-out prompts (dev data)")
-    pred.save(out)
-    report_path = out.with_suffix(".report.json")
-    if report_path.exists():
-        report = json.loads(report_path.read_text())
-        report["exit_curves"] = curves
-        report_path.write_text(json.dumps(report, indent=1))
-    return {"bundle": str(out), "exit_curves": curves, "layers": pred.layers}
+def prompt_key(text: str) -> str:
+    """A prompt's name in the records and in a bundle's list of the prompts it saw."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def records_dir(llm: LLM, provider: CandidateProvider, layers: list[int],
@@ -230,7 +148,7 @@ def collect(llm: LLM, provider: CandidateProvider, prompts: list[str], layers: l
     work.mkdir(parents=True, exist_ok=True)
     records = []
     for i, text in enumerate(prompts):
-        name = hashlib.sha256(text.encode()).hexdigest()[:16]
+        name = prompt_key(text)
         f = work / f"{name}.npz"
         if not f.exists():
             rec = collect_one(llm, provider, llm.prompt_tokens(text), layers, cfg.n_tokens, cfg.k)
@@ -240,6 +158,7 @@ def collect(llm: LLM, provider: CandidateProvider, prompts: list[str], layers: l
         with np.load(f) as z:
             rec = {field: z[field] for field in z.files}
         if "final" in rec:
+            rec["key"] = name
             # padded once here; training and validation read it for every layer
             rec["logits"] = masked(rec["probes"], rec["n_cand"])
             records.append(rec)
@@ -263,8 +182,7 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     if len(records) < 2:
         raise SpeceeError(f"calibration collected {len(records)} usable prompts; need at least 2")
 
-    n_val = max(1, int(len(records) * cfg.val_frac))
-    train, val = records[:-n_val], records[-n_val:]
+    train, val = split(records, cfg.val_frac)
     fitted, report_layers = [], {}
     for j, layer in enumerate(layers):
         X, y = zip(*(training_arrays(r, layers, j, cfg.k, cfg.prev_gaps) for r in train))
@@ -275,6 +193,8 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
     meta = {"target_name": llm.model.path.name, "target_sha256": target_sha, "n_layer": n_layer,
             "provider": provider.name, "calibration": asdict(cfg),
             "trained_on": f"{len(train)} prompts (dev data)", "created": time.strftime("%Y-%m-%d"),
+            # every prompt it saw, fitting or planning: a measurement of its error skips them
+            "prompts": [prompt_key(t) for t in prompts],
             # the measured probe/exit costs below are this machine's
             "machine": machine(llm.config.threads)}
     pred = stack(layers, fitted, cfg.k, cfg.threshold, meta)
@@ -288,15 +208,21 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         report_layers[layer] = {"precision": tp / max(fire.sum(), 1),
                                 "recall": tp / max(y.sum(), 1),
                                 "positive_rate": float(y.mean()) if len(y) else 0.0}
-    sims = np.concatenate([simulate_exits(pred, r, layers, cfg.threshold) for r in val], axis=1)
+    everywhere = {layer: cfg.threshold for layer in layers}
+    sims = np.concatenate([simulate(pred, r, layers, everywhere) for r in val], axis=1)
     exits, correct = sims[0], sims[1].astype(bool)
     n_tok = len(exits)
     rate = {layer: float((exits == layer).sum()) / n_tok for layer in layers}
     offline = offline_layers(rate)
-    curves = exit_curves(pred, val, layers)
-    # no prices: what probes and layers cost is the machine's that runs them
-    # (early_exit/costs.py), not the calibrating one's
-    pred.meta.update(offline=offline, exit_rate=rate, exit_curves=curves)
+    # per rule and quality target, the thresholds whose exits, decoded together on the
+    # held-out prompts, stay within it (quality.choose_plan)
+    plans = {}
+    for i, rule in enumerate(RULES):
+        plans[rule] = choose_plans(pred, val, layers, rule, EXIT_TARGETS)
+        if progress:
+            progress("choosing thresholds", i + 1, len(RULES))
+    pred.meta.update(offline=offline, exit_rate=rate, exit_plans=plans,
+                     plans_on=f"{len(val)} held-out prompts (dev data)")
     pred.save(out)
     report = {
         "bundle": str(out), "work": str(work), "machine": pred.meta["machine"], "layers": layers,
@@ -305,9 +231,36 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
         "validation_tokens": n_tok, "exit_ratio": float((exits >= 0).mean()),
         "exit_agreement": float(correct[exits >= 0].mean()) if (exits >= 0).any() else None,
         "mean_exit_layer": float(exits[exits >= 0].mean()) if (exits >= 0).any() else None,
-        "exit_curves": curves,
+        "exit_plans": plans,
     }
     # the file is shipped with bundles: no machine paths in it (names under the cache)
     portable = dict(report, bundle=out.name, work=f"calibration/{work.name}")
     out.with_suffix(".report.json").write_text(json.dumps(portable, indent=1))
     return report
+
+
+def held_out_error(llm: LLM, provider: CandidateProvider, pred: Predictors,
+                   prompts: list[tuple[str, str]], targets: list[float],
+                   progress: Progress | None = None) -> dict:
+    """How often the exits of each rule at each quality target (``--max-exit-error``) were
+    wrong on ``prompts`` ((category, text) pairs; those the bundle saw are skipped), decoded
+    as ``ee`` decodes with every allowed layer probed: ``{rule: {target: {"all": figures,
+    category: figures}}}`` (quality.exit_error), and ``"prompts"``: how many were measured."""
+    seen = set(pred.meta.get("prompts", ()))
+    if not seen:
+        raise SpeceeError("the bundle does not list the prompts it was fitted on, so none can be "
+                          "called held out; fit it again with specee-cpp calibrate")
+    category = {prompt_key(text): c for c, text in prompts if prompt_key(text) not in seen}
+    texts = [text for _, text in prompts if prompt_key(text) in category]
+    cfg = CalibConfig(n_tokens=pred.meta["calibration"]["n_tokens"], k=pred.k)
+    records = collect(llm, provider, texts, pred.layers, cfg, progress)
+    out: dict = {"prompts": len(texts)}
+    by_cat = {c: [r for r in records if category[r["key"]] == c]
+              for c in dict.fromkeys(category.values())}
+    for rule in RULES:
+        for t in targets:
+            th = plan_for(pred.meta["exit_plans"], rule, t)[0]
+            out.setdefault(rule, {})[f"{t:g}"] = {
+                "all": exit_error(pred, records, pred.layers, th, rule),
+                **{c: exit_error(pred, rs, pred.layers, th, rule) for c, rs in by_cat.items()}}
+    return out

@@ -63,18 +63,20 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
         out.append(token)
         t0 = clock()
         provider.accept(token, exited=exit_layer is not None)
-        if plan is not None and not plan.chosen:
-            # no layer pays here now: a plain decode, no candidates asked for
+        # the plan's layers where it holds (chosen by what they cost and save here), else
+        # SpecEE's schedule; none while the output loops
+        layers = [] if looping(out[-LOOP_SPAN * LOOP_REPEATS:]) else \
+            plan.chosen if plan is not None else scheduler.layers()
+        # candidates only for a token that will be probed: the draft provider catches up on
+        # the tokens in between in one batch when next asked
+        cand = provider.propose() if layers else ()
+        t_draft = clock() - t0
+        if not len(cand):
+            # nothing to probe: a plain decode
             seq.decode([token])
             token, exit_layer = seq.argmax(), None
             timings = {"decode": clock() - t0}
             continue
-        cand = provider.propose()
-        t_draft = clock() - t0
-        # the plan's layers where it holds (chosen by what they cost and save here), else
-        # SpecEE's schedule
-        layers = (plan.chosen if plan is not None else scheduler.layers()) \
-            if len(cand) and not looping(out[-LOOP_SPAN * LOOP_REPEATS:]) else []
         t_layers = t_probe = t_head = 0.0
         exit_layer, nxt, prev, finished = None, -1, None, False
         probed: list[int] = []

@@ -24,11 +24,11 @@ class EEOptions:
     threshold: float | None = None    # one threshold for every layer (overrides the target)
     rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
     k: int = N_CAND
-    # quality target: per layer, the lowest threshold whose held-out exits emitted another
-    # token than full depth at most this often (layers that never do are not probed)
+    # quality target: exits emit another token than full depth at most this often (the
+    # bundle's plan for it: per-layer thresholds, early_exit/quality.py)
     max_exit_error: float = MAX_EXIT_ERROR
     # exits whose error was not measured against the target (a forced threshold below 1, a
-    # bundle without exit curves) run only when asked for by name
+    # bundle without exit plans) run only when asked for by name
     unsafe: bool = False
     # probe even where this machine's costs say exits cannot pay (to measure them); by
     # default such a run decodes plainly and says why
@@ -100,61 +100,55 @@ def predictors(llm, opts: EEOptions):
     return pred
 
 
-def check_end_to_end(pred, opts: EEOptions) -> None:
-    """Refuse (without ``unsafe``) a provider and rule whose exits, at this quality target,
-    were measured end to end above it: the bundle's ``end_to_end`` record (written by
-    scripts/record_exit_error.py from benchmark runs on held-out prompts) says how often
-    exits disagreed with full depth there. The held-out calibration curves choose the
-    thresholds, but they are few prompts; this is the larger check. Refused only when the
-    estimate is above the target by more than two standard errors."""
+def check_end_to_end(pred, opts: EEOptions, fitted: str) -> None:
+    """Refuse (without ``unsafe``) a provider and rule whose exits, with the plan fitted for
+    target ``fitted``, were measured above ``--max-exit-error`` on prompts the calibration
+    did not see: the bundle's ``end_to_end`` record (written by scripts/exit_error.py)
+    counts how often they disagreed with full depth there. Refused only when the whole
+    interval is above."""
     if opts.unsafe:
         return
-    m = pred.meta.get("end_to_end", {}).get(opts.rule, {}).get(f"{opts.max_exit_error:g}")
-    if m and m["exit_error"] - 2 * m["se"] > opts.max_exit_error:
+    m = pred.meta.get("end_to_end", {}).get(opts.rule, {}).get(fitted)
+    if m and m["low"] > opts.max_exit_error:
         raise SpeceeError(
             f"the {opts.provider} provider's exits with the {opts.rule} rule were measured at "
-            f"{m['exit_error']:.1%} wrong (+-{m['se']:.1%}, {m['n_exits']} exits on held-out "
-            f"prompts, {m.get('runs', m['source'])}), above --max-exit-error "
-            f"{opts.max_exit_error:g}; "
+            f"{m['error']:.1%} wrong ({m['low']:.1%}-{m['high']:.1%}, {m['exits']} exits on "
+            f"{m['prompts']}), above --max-exit-error {opts.max_exit_error:g}; "
             f"use another --provider or --exit-rule, or add --unsafe-exits")
 
 
 def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float], list[int], str]:
     """(threshold per probed layer, exit rate per layer, offline schedule, note) for these
-    options: from the bundle's held-out exit curves at the quality target, or one threshold
-    for every layer when given (or when the bundle predates the curves)."""
-    from .calibrate import choose_thresholds
+    options: the bundle's plan for the quality target (early_exit/quality.py), or one
+    threshold for every layer when given (or when the bundle has no plans)."""
+    from .quality import plan_for
     from .scheduler import offline_layers
 
-    curves = pred.meta.get("exit_curves")
+    plans = pred.meta.get("exit_plans")
     rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
     offline = pred.meta.get("offline", pred.layers)
-    if opts.threshold is None and not curves and not opts.unsafe:
+    if opts.threshold is None and not plans and not opts.unsafe:
         raise SpeceeError(f"predictor bundle fitted on {pred.meta.get('created', '?')} has no "
-                          f"exit curves, so its exits' error is unknown: add them with "
-                          f"specee-cpp calibrate --curves-only, or add --unsafe-exits")
-    if opts.threshold is not None or not curves:
+                          f"exit plans, so its exits' error is unknown: fit it again with "
+                          f"specee-cpp calibrate, or add --unsafe-exits")
+    if opts.threshold is not None or not plans:
         t = pred.threshold if opts.threshold is None else opts.threshold
-        note = f"threshold {t} at every layer" + ("" if curves else " (bundle without exit curves)")
+        note = f"threshold {t} at every layer" + ("" if plans else " (bundle without exit plans)")
         if t >= 1.0:   # never fires: no exit to expect
             rates = {l: 0.0 for l in pred.layers}
         return {l: t for l in pred.layers}, rates, offline, note
-    check_end_to_end(pred, opts)
-    thresholds = choose_thresholds(curves, opts.rule, opts.max_exit_error)
-    # (fires, wrong) of each chosen layer at its threshold, on the held-out tokens
-    chosen = {l: curves[opts.rule][str(l)][curves["grid"].index(t)]
-              for l, t in thresholds.items()}
-    rates = {l: fires / max(curves["n_tokens"], 1) for l, (fires, _) in chosen.items()}
+    thresholds, rates, fitted = plan_for(plans, opts.rule, opts.max_exit_error)
+    if fitted is not None:
+        check_end_to_end(pred, opts, fitted)
     offline = offline_layers(rates)
     if not thresholds:
-        note = (f"no layer meets --max-exit-error {opts.max_exit_error} on the calibration "
-                f"data with the {opts.rule} rule: every token at full depth")
+        note = (f"no exits meet --max-exit-error {opts.max_exit_error:g} on the calibration's "
+                f"held-out prompts with the {opts.rule} rule: every token at full depth")
     else:
-        fires = sum(f for f, _ in chosen.values())
-        wrong = sum(w for _, w in chosen.values())
-        note = (f"exits at {len(thresholds)} of {len(pred.layers)} layers, those meeting "
-                f"--max-exit-error {opts.max_exit_error} ({opts.rule} rule; held-out exits "
-                f"agreed with full depth {1 - wrong / max(fires, 1):.1%})")
+        p = plans[opts.rule][fitted]
+        note = (f"exits at {len(thresholds)} of {len(pred.layers)} layers, within "
+                f"--max-exit-error {fitted} ({opts.rule} rule; on the calibration's held-out "
+                f"prompts {p['wrong']} of {p['exits']} exits differed from full depth)")
     return thresholds, rates, offline, note
 
 
