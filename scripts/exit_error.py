@@ -47,6 +47,7 @@ def main() -> int:
     from specee_cpp.config import LoadConfig
     from specee_cpp.early_exit.calibrate import held_out_error, prompt_key
     from specee_cpp.early_exit.mode import EEOptions, bundle_path, candidates, predictors
+    from specee_cpp.early_exit.quality import RULES, plan_for
     from specee_cpp.engine.llm import LLM
     from specee_cpp.models.registry import load_registry
     from specee_cpp.provenance import machine
@@ -71,7 +72,7 @@ def main() -> int:
             figures = held_out_error(llm, candidates(llm, provider, pred.k), pred, prompts,
                                      targets, progress)
             print(file=sys.stderr)
-            for rule in ("argmax", "candidate"):
+            for rule in RULES:
                 for t, f in figures[rule].items():
                     a = f["all"]
                     print(f"{provider:6s} {rule:9s} target {t}: {a['exits']:4d} exits of "
@@ -79,12 +80,14 @@ def main() -> int:
                           f"{a['low']:.2%}-{a['high']:.2%} (95%)")
             result["providers"][provider] = figures
             if args.record:
+                # keyed by the plan each target ran with, as check_end_to_end looks it up
                 bundle = bundle_path(llm.model.sha256, provider)
                 pred.meta["end_to_end"] = {
-                    rule: {t: dict(f["all"], prompts=f"{figures['prompts']} held-out dev prompts",
-                                   source=command, date=result["date"])
-                           for t, f in figures[rule].items()}
-                    for rule in ("argmax", "candidate")}
+                    rule: {fitted: dict(f["all"], source=command, date=result["date"],
+                                        prompts=f"{figures['prompts']} held-out dev prompts")
+                           for t, f in figures[rule].items()
+                           if (fitted := plan_for(pred.meta["exit_plans"], rule, float(t))[2])}
+                    for rule in RULES}
                 pred.save(bundle)
                 print(f"  -> {bundle.relative_to(REPO)}", file=sys.stderr)
     if args.out:

@@ -29,7 +29,7 @@ from .candidates import CandidateProvider
 from .features import PAD_GAP, features, softmax
 from ..mlp import train_mlp
 from .predictor import Predictors, stack
-from .quality import RULES, choose_plans, exit_error, plan_for, simulate
+from .quality import RULES, choose_plans, exit_error, plan_for, pooled, simulate
 from .scheduler import offline_layers
 
 Progress = Callable[[str, int, int], None]
@@ -209,13 +209,13 @@ def calibrate(llm: LLM, provider: CandidateProvider, prompts: list[str], out: Pa
                                 "recall": tp / max(y.sum(), 1),
                                 "positive_rate": float(y.mean()) if len(y) else 0.0}
     everywhere = {layer: cfg.threshold for layer in layers}
-    sims = np.concatenate([simulate(pred, r, layers, everywhere) for r in val], axis=1)
+    sims = simulate(pred, pooled(val), layers, everywhere)
     exits, correct = sims[0], sims[1].astype(bool)
     n_tok = len(exits)
     rate = {layer: float((exits == layer).sum()) / n_tok for layer in layers}
     offline = offline_layers(rate)
     # per rule and quality target, the thresholds whose exits, decoded together on the
-    # held-out prompts, stay within it (quality.choose_plan)
+    # held-out prompts, stay within it (quality.choose_plans)
     plans = {}
     for i, rule in enumerate(RULES):
         plans[rule] = choose_plans(pred, val, layers, rule, EXIT_TARGETS)
