@@ -13,8 +13,10 @@ sequential decode), and the exits of each rule at each quality target are simula
 from the previous probe (early_exit/calibrate.py: held_out_error). An exit is wrong when its
 token is not the full-depth one; the count is exact, with no plain-run noise floor to
 subtract. ``--record`` writes the pooled figures into the bundles as
-``meta["end_to_end"][rule][target]``; ``ee`` then refuses a provider and rule whose whole
-interval lies above the target (early_exit/mode.py: check_end_to_end). Records are cached
+``meta["end_to_end"][rule][target]``; ``spec-ee``, whose exits reach the output, then
+refuses a provider and rule whose whole interval lies above the target (early_exit/mode.py:
+check_end_to_end); in ``ee``, which checks every exit, the figure is how often a check
+undoes one. Records are cached
 per prompt as calibration's are: a stopped run resumes.
 """
 from __future__ import annotations

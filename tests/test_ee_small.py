@@ -88,14 +88,25 @@ def test_threshold_one_reproduces_plain(bundle, small_llm):
         assert ee.stats.exit_layers == {}
 
 
-def test_exits_happen_and_are_reported(bundle, small_llm):
+def test_every_exit_is_checked_so_the_output_is_plain_decoding(bundle, small_llm):
+    """Exits at a threshold far looser than any quality target's (many of them wrong) are
+    each checked at full depth before they are emitted: the output is plain greedy
+    decoding's, token for token; confirmed exits are reported, undone ones counted."""
     out, _ = bundle
-    res = small_llm.generate(PROMPTS[0], max_tokens=48, mode="ee",
-                             options=EEOptions(provider="ngram", predictors=str(out), threshold=0.05,
-                                               unsafe=True, always=True))
-    n_exit = sum(res.stats.exit_layers.values())
-    assert n_exit > 0 and all(18 <= l < 29 for l in res.stats.exit_layers)
-    assert {"draft", "layers", "probe", "head"} <= set(res.stats.timings)
+    opts = EEOptions(provider="ngram", predictors=str(out), threshold=0.05, always=True)
+    n_exit = n_checked = n_confirmed = 0
+    for prompt in PROMPTS:
+        plain = small_llm.generate(prompt, max_tokens=48)
+        res = small_llm.generate(prompt, max_tokens=48, mode="ee", options=opts)
+        assert res.tokens == plain.tokens, prompt
+        st = res.stats
+        assert all(18 <= l < 29 for l in st.exit_layers)
+        assert st.by_source.get("exit", [0, 0]) == [st.n_drafted, st.n_accept]
+        n_exit += sum(st.exit_layers.values())
+        n_checked, n_confirmed = n_checked + st.n_drafted, n_confirmed + st.n_accept
+    # exits came, some confirmed, some undone (an end-of-text exit is not an output token)
+    assert n_confirmed >= n_exit > 0 and n_checked > n_confirmed
+    assert {"draft", "layers", "probe", "head", "check"} <= set(res.stats.timings)
     # the cache stays consistent after exits: plain runs on this context afterwards equal
     # those of a fresh context (same prompt: the prefix is reused; another: it is cut)
     after = [small_llm.generate(p, max_tokens=16).tokens for p in (PROMPTS[0], PROMPTS[2])]
@@ -130,7 +141,8 @@ def _costs(probe: float, draft: float = 0.5):
     from specee_cpp.early_exit.costs import ExitCosts
 
     return ExitCosts(plain_s=1.0, staged_s=1.0, probe_s=probe, head_s=0.0, exit_lo_s=18 / 29,
-                     exit_hi_s=28 / 29, lo=18, hi=28, draft_s=draft, n_layer=29)
+                     exit_hi_s=28 / 29, lo=18, hi=28, draft_s=draft, n_layer=29,
+                     check_s=1.0)
 
 
 def test_exits_that_cannot_pay_here_step_aside_for_plain_decoding(bundle, small_llm,
@@ -141,7 +153,7 @@ def test_exits_that_cannot_pay_here_step_aside_for_plain_decoding(bundle, small_
     from specee_cpp.early_exit import mode as ee_mode
 
     out, _ = bundle
-    opts = EEOptions(predictors=str(out), threshold=0.05, unsafe=True)
+    opts = EEOptions(predictors=str(out), threshold=0.05)
     plain = small_llm.generate(PROMPTS[0], max_tokens=48)
     monkeypatch.setattr(ee_mode, "exit_costs", lambda llm, pred: _costs(probe=0.2))
     dear = small_llm.generate(PROMPTS[0], max_tokens=48, mode="ee", options=opts)
@@ -162,7 +174,7 @@ def test_an_answer_whose_exits_stop_paying_goes_on_plainly(bundle, small_llm, mo
     out, _ = bundle
     monkeypatch.setattr(ee_mode, "exit_costs", lambda llm, pred: _costs(probe=0.02))
     # as the calibration's rates would have it: every layer exits a quarter of its tokens
-    monkeypatch.setattr(ee_mode, "exit_plan", lambda pred, o: (
+    monkeypatch.setattr(ee_mode, "exit_plan", lambda pred, o, *refuse: (
         {l: 1.0 for l in pred.layers}, {l: 0.25 for l in pred.layers}, pred.layers, "t1"))
     real = costs.LearnedPlan.__init__
 
@@ -220,7 +232,7 @@ def test_candidates_are_asked_for_only_at_tokens_that_will_be_probed(bundle, sma
         def reset(self, prompt):
             self.asked, self.accepted = [], 0
 
-        def accept(self, token, exited=False):
+        def accept(self, token):
             self.accepted += 1
 
         def propose(self):

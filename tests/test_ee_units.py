@@ -95,21 +95,6 @@ def test_ngram_candidates():
     assert top_k(np.array([0.1, 5.0, 3.0, 4.0]), 2).tolist() == [1, 3]
 
 
-def test_ngram_candidates_never_propose_an_exited_token():
-    """The feedback guard: an exit's token is context, not a continuation to propose."""
-    p = NgramCandidates(k=3, n_max=2)
-    p.reset([1, 2, 3])
-    p.accept(9, exited=True)          # "1 2 3" then an exited 9
-    p.accept(1), p.accept(2), p.accept(3)
-    assert p.propose().tolist() == []  # after "2 3": only the exited 9 followed
-    p.accept(7)                        # verified this time
-    p.accept(2), p.accept(3)
-    assert p.propose().tolist() == [7]
-    # n-grams ending in an exited token are still matched: "9" was followed by a real 1
-    p.accept(9)
-    assert p.propose().tolist() == [1]
-
-
 def test_spread_and_records(tmp_path):
     assert spread(10, 3) == [0, 3, 6] and spread(4, 0) == spread(4, 9) == [0, 1, 2, 3]
     f = tmp_path / "p.jsonl"
@@ -247,16 +232,19 @@ def test_exit_plan_takes_the_plan_of_the_target_and_an_explicit_threshold():
               EEOptions(provider="ngram", rule="candidate")):
         th, _, _, note = exit_plan(pred, o)
         assert th == {} and "every token at full depth" in note
-    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", threshold=0.9, unsafe=True))
+    th, _, _, note = exit_plan(pred, EEOptions(provider="ngram", threshold=0.9))
     assert th == {5: 0.9, 6: 0.9} and "every layer" in note
-    # exits whose error is not measured against the target run only when asked for
+    # where exits reach the output (spec-ee), those whose error is not measured against the
+    # target run only when asked for; ee checks each exit, so it refuses none
+    from specee_cpp.spec_ee.mode import SpecEEOptions
     with pytest.raises(SpeceeError, match="--threshold 0.9 exits without the quality target"):
-        EEOptions(provider="ngram", threshold=0.9)
-    assert EEOptions(threshold=1.0).threshold == 1.0     # never fires: nothing to risk
+        SpecEEOptions(threshold=0.9)
+    assert SpecEEOptions(threshold=0.9, unsafe=True).ee.threshold == 0.9
+    assert SpecEEOptions(threshold=1.0).threshold == 1.0     # never fires: nothing to risk
     bare = stack([5, 6], [fit, fit], k=4, threshold=0.5, meta={})
     with pytest.raises(SpeceeError, match="no exit plans.*fit it again"):
-        exit_plan(bare, EEOptions(provider="ngram"))
-    assert exit_plan(bare, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.5, 6: 0.5}
+        exit_plan(bare, EEOptions(provider="ngram"), refuse_unmeasured=True)
+    assert exit_plan(bare, EEOptions(provider="ngram"))[0] == {5: 0.5, 6: 0.5}
     # measured on prompts the calibration did not see (scripts/exit_error.py): refused at a
     # target below the whole interval, allowed where the interval reaches it
     pred.meta["end_to_end"] = {"argmax": {
@@ -264,19 +252,19 @@ def test_exit_plan_takes_the_plan_of_the_target_and_an_explicit_threshold():
         "0.05": {"error": 0.055, "low": 0.045, "high": 0.066, "exits": 900, "prompts": "P"}}}
     with pytest.raises(SpeceeError, match=r"measured at 4.5% wrong \(3.0%-6.0%, 610 exits on P"
                                           r".*--unsafe-exits"):
-        exit_plan(pred, EEOptions(provider="ngram"))
-    assert exit_plan(pred, EEOptions(provider="ngram", unsafe=True))[0] == {5: 0.9}
-    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.05))[0]
+        exit_plan(pred, EEOptions(provider="ngram"), refuse_unmeasured=True)
+    assert exit_plan(pred, EEOptions(provider="ngram"))[0] == {5: 0.9}
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.05), True)[0]
     # a target between the calibrated ones takes the stricter plan, and its measured error
     with pytest.raises(SpeceeError, match="measured at 4.5% wrong"):
-        exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.029))
-    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.031))[0] == {5: 0.9}
+        exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.029), True)
+    assert exit_plan(pred, EEOptions(provider="ngram", max_exit_error=0.031), True)[0] == {5: 0.9}
     with pytest.raises(SpeceeError, match="max_exit_error"):
         EEOptions(max_exit_error=1.5)
 
 
 def test_repetition_guard_sees_loops_only():
-    from specee_cpp.early_exit.decode import looping
+    from specee_cpp.spec_ee.verify import looping
 
     assert looping([1, 2, 3] + [7, 8] * 3)
     assert looping([5] * 3)
@@ -309,7 +297,8 @@ def _exit_costs(probe: float, head: float = 0.0):
     from specee_cpp.early_exit.costs import ExitCosts
 
     return ExitCosts(plain_s=1.0, staged_s=1.0, probe_s=probe, head_s=head, exit_lo_s=14 / 28,
-                     exit_hi_s=26 / 28, lo=14, hi=26, draft_s=0.5, n_layer=28)
+                     exit_hi_s=26 / 28, lo=14, hi=26, draft_s=0.5, n_layer=28,
+                     check_s=1.0)
 
 
 def test_an_exit_plan_keeps_only_layers_whose_savings_beat_their_probes():

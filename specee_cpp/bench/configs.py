@@ -95,32 +95,29 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("spec-auto-pred-unrelated", "ours", True, mode="spec",
                 options=SpecOptions(gamma="auto"), needs_draft=True, prediction="unrelated"),
     # The defaults (ee, ee-draft, spec-ee) run as a user gets them: ee decodes plainly where
-    # its exits cannot pay on this machine. Every other early-exit configuration probes
-    # anyway (--probe-always) and is measured with --unsafe-exits: a benchmark reports their
-    # quality, and a provider/rule/target whose exits were measured above the target end to
-    # end (early_exit/mode.py: check_end_to_end) would otherwise be refused.
-    BenchConfig("ee", "ours", False, mode="ee", options=EEOptions(), needs_draft=True),
-    BenchConfig("ee-draft", "ours", False, mode="ee", options=EEOptions(provider="draft"),
+    # its exits cannot pay on this machine. Every other ee configuration probes anyway
+    # (--probe-always) to measure its exits; ee checks each one, so all are lossless.
+    BenchConfig("ee", "ours", True, mode="ee", options=EEOptions(), needs_draft=True),
+    BenchConfig("ee-draft", "ours", True, mode="ee", options=EEOptions(provider="draft"),
                 needs_draft=True),
     # the default's exits measured where they do not pay: probing anyway
-    BenchConfig("ee-draft-probed", "ours", False, mode="ee",
+    BenchConfig("ee-draft-probed", "ours", True, mode="ee",
                 options=EEOptions(provider="draft", always=True), needs_draft=True),
-    BenchConfig("ee-ngram", "ours", False, mode="ee",
-                options=EEOptions(provider="ngram", unsafe=True, always=True)),
-    BenchConfig("ee-draft-cand", "ours", False, mode="ee",
-                options=EEOptions(provider="draft", rule="candidate", unsafe=True, always=True),
+    BenchConfig("ee-ngram", "ours", True, mode="ee",
+                options=EEOptions(provider="ngram", always=True)),
+    BenchConfig("ee-draft-cand", "ours", True, mode="ee",
+                options=EEOptions(provider="draft", rule="candidate", always=True),
                 needs_draft=True),
-    BenchConfig("ee-ngram-cand", "ours", False, mode="ee",
-                options=EEOptions(provider="ngram", rule="candidate", unsafe=True, always=True)),
-    # the same as a user gets it (--unsafe-exits, no --probe-always): probing only the
-    # layers that pay on this machine's costs
-    BenchConfig("ee-ngram-cand-priced", "ours", False, mode="ee",
-                options=EEOptions(provider="ngram", rule="candidate", unsafe=True)),
-    # the same at looser quality targets, and with the one 0.5 threshold of SpecEE's rule
-    # at every layer (what ee did before the quality target)
-    *[BenchConfig(f"ee-{p}-e{t:02d}", "ours", False, mode="ee",
-                  options=EEOptions(provider=p, max_exit_error=t / 100, unsafe=True,
-                                    always=True),
+    BenchConfig("ee-ngram-cand", "ours", True, mode="ee",
+                options=EEOptions(provider="ngram", rule="candidate", always=True)),
+    # the same as a user gets it (no --probe-always): probing only the layers that pay on
+    # this machine's costs
+    BenchConfig("ee-ngram-cand-priced", "ours", True, mode="ee",
+                options=EEOptions(provider="ngram", rule="candidate")),
+    # the same at looser quality targets (more exits, more of them undone by the check), and
+    # with the one 0.5 threshold of SpecEE's rule at every layer
+    *[BenchConfig(f"ee-{p}-e{t:02d}", "ours", True, mode="ee",
+                  options=EEOptions(provider=p, max_exit_error=t / 100, always=True),
                   needs_draft=p == "draft")
       for t in (2, 5) for p in ("draft", "ngram")],
     # hyper-token exit in speculative verification (gamma 4), at two quality targets
@@ -128,8 +125,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 needs_draft=True),
     BenchConfig("spec-ee-e05", "ours", False, mode="spec-ee",
                 options=SpecEEOptions(max_exit_error=0.05, unsafe=True), needs_draft=True),
-    *[BenchConfig(f"ee-{p}-t05", "ours", False, mode="ee",
-                  options=EEOptions(provider=p, threshold=0.5, unsafe=True, always=True),
+    *[BenchConfig(f"ee-{p}-t05", "ours", True, mode="ee",
+                  options=EEOptions(provider=p, threshold=0.5, always=True),
                   needs_draft=p == "draft")
       for p in ("draft", "ngram")],
     _spec_simple("lcpp-draft-4", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",

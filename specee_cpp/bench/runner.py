@@ -16,7 +16,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..engine import modes
 from ..engine.llm import LLM
 from ..engine.steps import stop_at
 from ..errors import SpeceeError
@@ -148,10 +147,11 @@ class Runner:
             if c.mode == "plain" or not c.lossless:  # after the timed part
                 agree = agreement(llm, llm.prompt_tokens(prompt, chat=p.chat), res.tokens)
             # a draft-then-verify mode (it has a draft length, or drafts from a prediction)
-            # reports its drafts, even none; a lossy mode its exits (early exit is how our
-            # modes lose)
-            drafts = "gamma" in {f.name for f in fields(c.mode_options)} or bool(pred)
-            exits = not modes.get(c.mode).lossless
+            # reports its drafts, even none; an early-exit mode (it has an exit target) its
+            # exits
+            names = {f.name for f in fields(c.mode_options)}
+            drafts = "gamma" in names or bool(pred)
+            exits = "max_exit_error" in names
             return {"text": res.text, "n_prompt": s.n_prompt, "prefill_s": s.prefill_s,
                     "n_gen": s.n_gen, "decode_s": s.decode_s, "n_decode": s.n_decode,
                     "n_drafted": s.n_drafted if drafts else None,

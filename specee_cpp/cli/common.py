@@ -121,13 +121,14 @@ OptProvider = typer.Option(None, "--provider",
 OptPredictors = typer.Option(None, "--predictors", help="ee predictor bundle (default: shipped).")
 OptThreshold = typer.Option(None, "--threshold", help="ee exit threshold (default: bundle's).")
 OptMaxErr = typer.Option(None, "--max-exit-error",
-                         help="ee quality target: exits emit another token than full depth "
-                              "at most this often (95% bound on the calibration's held-out "
-                              "prompts; default 0.01).")
+                         help="ee, spec-ee: exits choose another token than full depth at "
+                              "most this often (95% bound on the calibration's held-out "
+                              "prompts; default 0.01). ee checks each exit (a wrong one costs "
+                              "time, never output); spec-ee's reach the output.")
 OptUnsafe = typer.Option(None, "--unsafe-exits",
-                         help="ee, spec-ee: allow exits whose error was not measured against "
+                         help="spec-ee: allow exits whose error was not measured against "
                               "the quality target (a --threshold below 1, a bundle without "
-                              "exit plans).")
+                              "exit plans); ee checks every exit, so needs none.")
 OptAlways = typer.Option(None, "--probe-always",
                          help="ee: probe for exits even where this machine's costs say they "
                               "cannot pay (to measure them); by default such a run decodes "

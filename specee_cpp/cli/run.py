@@ -53,8 +53,8 @@ def generate(
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
     if predicted is not None and not m.takes_prediction:
-        raise SpeceeError(f"--prediction: mode {m.name} does not take one (it is lossy); "
-                          f"plain and spec do")
+        raise SpeceeError(f"--prediction: mode {m.name} does not take one (it drafts no "
+                          f"tokens to verify); plain and spec do")
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         llm.defer_costs = True   # one answer: no idle time to measure in; chat and serve have
         m.prepare(llm, opts, status=status_line)

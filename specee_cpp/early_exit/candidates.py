@@ -2,8 +2,7 @@
 
 A provider follows the emitted tokens (``reset`` with the prompt, ``accept`` each token) and
 ``propose`` returns up to k candidate ids for the next token, in a fixed order (the order
-the features use at every probed layer of that token). ``accept(token, exited=True)`` marks
-a token an early exit emitted: it was never checked at full depth.
+the features use at every probed layer of that token).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ class CandidateProvider(Protocol):
 
     def propose(self) -> np.ndarray: ...
 
-    def accept(self, token: int, exited: bool = False) -> None: ...
+    def accept(self, token: int) -> None: ...
 
 
 def top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -46,11 +45,9 @@ class DraftCandidates:
         self._logits = self.seq.prefill(prompt)
         self._pending = []
 
-    def accept(self, token: int, exited: bool = False) -> None:
+    def accept(self, token: int) -> None:
         # decoded lazily in propose(): the last token of a generation is never paid for, and
-        # tokens decoded without candidates (no layer paid) are caught up in one batch.
-        # An exited token goes in like any other: the draft is a separate model, its next
-        # candidates are its own opinion, not a copy of the token
+        # tokens decoded without candidates (no layer paid) are caught up in one batch
         self._pending.append(token)
 
     def propose(self) -> np.ndarray:
@@ -62,13 +59,7 @@ class DraftCandidates:
 
 class NgramCandidates:
     """Prompt lookup: the tokens that followed the latest n-gram (n_max..1) earlier in the
-    context, most recent first. Free, and often empty (then nothing is probed).
-
-    Feedback guard: a token an early exit emitted is never proposed from where it stands.
-    Otherwise an exit's token becomes the next candidate after the same n-gram, the
-    predictor confirms its own earlier guess, and the output locks into a loop (measured:
-    the candidate rule's outputs degenerated into repetition before this). Such tokens
-    still count as context (the n-grams that end in them are matched)."""
+    context, most recent first. Free, and often empty (then nothing is probed)."""
 
     name = "ngram"
 
@@ -84,12 +75,11 @@ class NgramCandidates:
         for t in prompt:
             self.accept(t)
 
-    def accept(self, token: int, exited: bool = False) -> None:
-        # index the n-grams that end just before this token, pointing at it (an exited
-        # token is not a continuation to propose: the feedback guard above)
+    def accept(self, token: int) -> None:
+        # index the n-grams that end just before this token, pointing at it
         n_tok = len(self.tokens)
         for n in range(1, self.n_max + 1):
-            if n_tok >= n and not exited:
+            if n_tok >= n:
                 self._index[n].setdefault(tuple(self.tokens[n_tok - n:]), []).append(n_tok)
         self.tokens.append(token)
 

@@ -3,8 +3,9 @@
 An exit pays only where the layers it skips outweigh what finding it costs: the candidates
 (a draft decode per token with the draft provider, next to nothing with n-grams), a probe
 at each scheduled layer (a segment boundary, the candidates' logits, the predictor), the
-full head a firing layer computes for SpecEE's argmax check, and what a staged decode costs
-over ``llama_decode``. On a 2-core CPU the draft's token alone costs about half a target
+full head a firing layer computes for SpecEE's argmax check, the check of every exit (the
+exited position decoded again with its token: two rows where the next token had one), and
+what a staged decode costs over ``llama_decode``. On a 2-core CPU the draft's token alone costs about half a target
 token, more than exits in the last quarter of the layers can save, and early exit ran at
 0.6x plain there; where verification is cheap and layers dear it may pay. So the prices are
 measured here (seconds, once per target, draft and machine, cached with the cost tables),
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..config import COST_PROMPT, EE_COST_CONTEXT, EE_COST_REPEATS
 
-VERSION = 1   # part of the cache key: a changed method measures again
+VERSION = 2   # part of the cache key: a changed method measures again
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,16 @@ class ExitCosts:
     hi: int
     draft_s: float       # one draft decode, its logits read (the draft provider's candidates)
     n_layer: int
+    check_s: float       # two tokens by llama_decode, both greedy tokens read (an exit's check)
 
     def exit_s(self, layer: int, rule: str) -> float:
         """Seconds of a token that exits at ``layer`` (layers up to it, the exit's K/V fill,
-        SpecEE's head where ``rule`` is argmax), read linearly between the two timed."""
+        SpecEE's head where ``rule`` is argmax; the exits timed at two layers, read linearly
+        between them), and of its check: two rows in place of the next token's one."""
         w = (layer - self.lo) / max(self.hi - self.lo, 1)
         t = self.exit_lo_s + w * (self.exit_hi_s - self.exit_lo_s)
-        return t + (self.head_s if rule == "argmax" else 0.0)
+        return (t + (self.head_s if rule == "argmax" else 0.0)
+                + max(self.check_s - self.plain_s, 0.0))
 
     def token_s(self, layers: list[int], rates: dict[int, float], rule: str,
                 candidates_s: float) -> float:
@@ -84,7 +88,8 @@ class ExitCosts:
                 + f"a probe {self.probe_s / p:.3f}, a "
                 f"head {self.head_s / p:.2f}, a staged token {self.staged_s / p:.3f} of a plain "
                 f"token ({1e3 * p:.1f} ms); a token exiting at layer {self.hi} of "
-                f"{self.n_layer} {self.exit_hi_s / p:.2f}")
+                f"{self.n_layer} {self.exit_hi_s / p:.2f}, its check "
+                f"{(self.check_s - p) / p:.2f} more")
 
 
 def _key(llm) -> str:
@@ -166,12 +171,17 @@ def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) 
             ctx.stage_exit(full_head=False)
         return run
 
+    def check():
+        seq.decode(context[:2], all_outputs=True)
+        seq.argmax(0)
+        seq.argmax(1)
+
     def undo():
         seq.rewind(base)
 
     calls = {name: (run, undo) for name, run in
              (("plain", plain), ("staged", staged), ("probed", probed), ("headed", headed),
-              ("exit_lo", exiting(lo)), ("exit_hi", exiting(hi)))}
+              ("exit_lo", exiting(lo)), ("exit_hi", exiting(hi)), ("check", check))}
     if llm.draft_path is not None:
         dft = llm.dft.seq
         dft.prefill(context, read=False)
@@ -182,7 +192,7 @@ def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) 
                      probe_s=max(med["probed"] - med["staged"], 0.0),
                      head_s=max(med["headed"] - med["probed"], 0.0),
                      exit_lo_s=med["exit_lo"], exit_hi_s=med["exit_hi"], lo=lo, hi=hi,
-                     draft_s=med.get("draft", 0.0), n_layer=n_layer)
+                     draft_s=med.get("draft", 0.0), n_layer=n_layer, check_s=med["check"])
 
 
 class LearnedPlan:

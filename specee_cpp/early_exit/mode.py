@@ -24,12 +24,10 @@ class EEOptions:
     threshold: float | None = None    # one threshold for every layer (overrides the target)
     rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
     k: int = N_CAND
-    # quality target: exits emit another token than full depth at most this often (the
-    # bundle's plan for it: per-layer thresholds, early_exit/quality.py)
+    # exits choose another token than full depth at most this often (the bundle's plan for
+    # it: per-layer thresholds, early_exit/quality.py); ee's check undoes each such exit, so
+    # the target sets how much time they waste, spec-ee's how much output they change
     max_exit_error: float = MAX_EXIT_ERROR
-    # exits whose error was not measured against the target (a forced threshold below 1, a
-    # bundle without exit plans) run only when asked for by name
-    unsafe: bool = False
     # probe even where this machine's costs say exits cannot pay (to measure them); by
     # default such a run decodes plainly and says why
     always: bool = False
@@ -46,11 +44,6 @@ class EEOptions:
             raise SpeceeError(f"threshold must be in [0, 1] (1 never exits), got {self.threshold}")
         if not 0.0 <= self.max_exit_error < 1.0:
             raise SpeceeError(f"max_exit_error must be in [0, 1), got {self.max_exit_error}")
-        # a threshold of 1 never fires, so it cannot cost quality
-        if self.threshold is not None and self.threshold < 1.0 and not self.unsafe:
-            raise SpeceeError(f"--threshold {self.threshold} exits without the quality target "
-                              f"(its token error was never measured); use --max-exit-error, "
-                              f"or add --unsafe-exits to run it anyway")
         if self.predictors is not None:
             object.__setattr__(self, "predictors", Path(self.predictors))
 
@@ -101,13 +94,10 @@ def predictors(llm, opts: EEOptions):
 
 
 def check_end_to_end(pred, opts: EEOptions, fitted: str) -> None:
-    """Refuse (without ``unsafe``) a provider and rule whose exits, with the plan fitted for
-    target ``fitted``, were measured above ``--max-exit-error`` on prompts the calibration
-    did not see: the bundle's ``end_to_end`` record (written by scripts/exit_error.py)
-    counts how often they disagreed with full depth there. Refused only when the whole
-    interval is above."""
-    if opts.unsafe:
-        return
+    """Refuse a provider and rule whose exits, with the plan fitted for target ``fitted``,
+    were measured above ``--max-exit-error`` on prompts the calibration did not see: the
+    bundle's ``end_to_end`` record (written by scripts/exit_error.py) counts how often they
+    disagreed with full depth there. Refused only when the whole interval is above."""
     m = pred.meta.get("end_to_end", {}).get(opts.rule, {}).get(fitted)
     if m and m["low"] > opts.max_exit_error:
         raise SpeceeError(
@@ -117,17 +107,22 @@ def check_end_to_end(pred, opts: EEOptions, fitted: str) -> None:
             f"use another --provider or --exit-rule, or add --unsafe-exits")
 
 
-def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float], list[int], str]:
+def exit_plan(pred, opts: EEOptions, refuse_unmeasured: bool = False
+              ) -> tuple[dict[int, float], dict[int, float], list[int], str]:
     """(threshold per probed layer, exit rate per layer, offline schedule, note) for these
     options: the bundle's plan for the quality target (early_exit/quality.py), or one
-    threshold for every layer when given (or when the bundle has no plans)."""
+    threshold for every layer when given (or when the bundle has no plans).
+
+    ``refuse_unmeasured``: where exits change the output (spec-ee), refuse those whose error
+    is unknown (no plans) or measured above the target (check_end_to_end); ee checks every
+    exit, so there a wrong one costs time only."""
     from .quality import plan_for
     from .scheduler import offline_layers
 
     plans = pred.meta.get("exit_plans")
     rates = {int(k): v for k, v in pred.meta.get("exit_rate", {}).items()}
     offline = pred.meta.get("offline", pred.layers)
-    if opts.threshold is None and not plans and not opts.unsafe:
+    if opts.threshold is None and not plans and refuse_unmeasured:
         raise SpeceeError(f"predictor bundle fitted on {pred.meta.get('created', '?')} has no "
                           f"exit plans, so its exits' error is unknown: fit it again with "
                           f"specee-cpp calibrate, or add --unsafe-exits")
@@ -138,7 +133,7 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
             rates = {l: 0.0 for l in pred.layers}
         return {l: t for l in pred.layers}, rates, offline, note
     thresholds, rates, fitted = plan_for(plans, opts.rule, opts.max_exit_error)
-    if fitted is not None:
+    if fitted is not None and refuse_unmeasured:
         check_end_to_end(pred, opts, fitted)
     offline = offline_layers(rates)
     if not thresholds:
@@ -152,13 +147,14 @@ def exit_plan(pred, opts: EEOptions) -> tuple[dict[int, float], dict[int, float]
     return thresholds, rates, offline, note
 
 
-def plan(llm, pred, opts: EEOptions, costs=None):
+def plan(llm, pred, opts: EEOptions, costs=None, refuse_unmeasured: bool = False):
     """(threshold per probed layer, a fresh scheduler, note) for one generation: the exit
-    plan of these options and SpecEE's scheduler over the layers it allows, its per-layer
-    cost check priced with ``costs`` (this machine's ExitCosts; None: none)."""
+    plan of these options (``refuse_unmeasured`` as for exit_plan) and SpecEE's scheduler
+    over the layers it allows, its per-layer cost check priced with ``costs`` (this
+    machine's ExitCosts; None: none)."""
     from .scheduler import Scheduler
 
-    thresholds, rates, offline, note = exit_plan(pred, opts)
+    thresholds, rates, offline, note = exit_plan(pred, opts, refuse_unmeasured)
     sched = Scheduler(n_layer=llm.model.n_layer, offline=offline,
                       allowed=set(thresholds), exit_rate=rates,
                       layer_cost=costs.staged_s / llm.model.n_layer if costs else 0.0,
@@ -214,15 +210,14 @@ def describe_target(opts) -> str:
     """A benchmark table's words for the exit setting of ``opts`` (ee's or spec-ee's)."""
     return ((f"threshold {opts.threshold}" if opts.threshold is not None
              else f"max-exit-error {opts.max_exit_error}")
-            + (" --unsafe-exits" if opts.unsafe else ""))
+            + (" --unsafe-exits" if getattr(opts, "unsafe", False) else ""))
 
 
 class EarlyExit(Mode):
     name = "ee"
     Options = EEOptions
-    lossless = False
     greedy_only = True
-    help = "SpecEE early exit (greedy; lossy: see its agreement in bench)"
+    help = "SpecEE early exit, every exit checked at full depth (greedy; output = plain)"
 
     def start(self, llm, sampling, opts):
         from .decode import generate_ee

@@ -160,7 +160,7 @@ class Server:
         if body.prediction is not None:
             if not mode.takes_prediction:
                 raise FieldError("prediction", f"prediction: mode {mode.name} does not take "
-                                 f"one (it is lossy); plain and spec do")
+                                 f"one (it drafts no tokens to verify); plain and spec do")
             try:
                 predicted = llm.prediction_tokens(body.prediction.text())
             except SpeceeError as e:

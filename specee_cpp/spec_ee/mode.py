@@ -15,6 +15,7 @@ from pathlib import Path
 from ..config import MAX_EXIT_ERROR, N_CAND
 from ..early_exit.mode import EEOptions, describe_target
 from ..engine.modes import Mode, no_status, register
+from ..errors import SpeceeError
 from ..speculative.mode import Gamma, SpecOptions
 
 
@@ -27,10 +28,18 @@ class SpecEEOptions:
     threshold: float | None = None    # one threshold for every layer (overrides the target)
     rule: str = "argmax"              # argmax (SpecEE) | candidate (skips the head check)
     max_exit_error: float = MAX_EXIT_ERROR
-    unsafe: bool = False              # as for mode ee: a forced threshold needs it
+    # exits whose error was not measured against the target (a forced threshold below 1, a
+    # bundle without exit plans, one measured above it) run only when asked for by name:
+    # unlike ee's, these exits are not checked, so their errors reach the output
+    unsafe: bool = False
 
     def __post_init__(self) -> None:
         _ = (self.spec, self.ee)   # each checks its own fields (one error, one place)
+        # a threshold of 1 never fires, so it cannot cost quality
+        if self.threshold is not None and self.threshold < 1.0 and not self.unsafe:
+            raise SpeceeError(f"--threshold {self.threshold} exits without the quality target "
+                              f"(its token error was never measured); use --max-exit-error, "
+                              f"or add --unsafe-exits to run it anyway")
 
     @property
     def spec(self) -> SpecOptions:
@@ -39,8 +48,7 @@ class SpecEEOptions:
     @property
     def ee(self) -> EEOptions:
         return EEOptions(provider="draft", predictors=self.predictors, threshold=self.threshold,
-                         rule=self.rule, k=N_CAND, max_exit_error=self.max_exit_error,
-                         unsafe=self.unsafe)
+                         rule=self.rule, k=N_CAND, max_exit_error=self.max_exit_error)
 
 
 class SpecEE(Mode):
@@ -73,7 +81,8 @@ class SpecEE(Mode):
         costs = None if opts.unsafe else exit_costs(llm, pred)
 
         def run(tokens, max_new):
-            thresholds, sched, note = plan(llm, pred, opts.ee, costs)
+            thresholds, sched, note = plan(llm, pred, opts.ee, costs,
+                                          refuse_unmeasured=not opts.unsafe)
             verifier = HyperVerifier(pred, sched, thresholds, opts.rule)
             return with_note(generate_spec(llm.tgt.seq, llm.dft.seq, tokens, policy, sampling,
                                            verifier=verifier, max_new=max_new,

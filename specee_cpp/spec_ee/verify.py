@@ -15,12 +15,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import LOOP_REPEATS, LOOP_SPAN
 from ..early_exit.candidates import top_k
-from ..early_exit.decode import LOOP_REPEATS, LOOP_SPAN, looping
 from ..early_exit.features import features
 from ..early_exit.predictor import Predictors
 from ..early_exit.scheduler import Scheduler
 from ..engine.sequence import Sequence
+
+
+def looping(tokens: list[int], span: int = LOOP_SPAN, repeats: int = LOOP_REPEATS) -> bool:
+    """Whether the output ends in a block of 1..``span`` tokens repeated ``repeats`` times:
+    a batch's exits that feed their tokens back as the next round's drafts can lock into
+    such a loop, so these rounds are verified at full depth (which leaves a loop the model
+    means)."""
+    for n in range(1, span + 1):
+        if len(tokens) < n * repeats:
+            break
+        block = tokens[-n:]
+        if all(tokens[-(i + 1) * n:len(tokens) - i * n] == block for i in range(1, repeats)):
+            return True
+    return False
 
 
 def decisive(settled: list[bool], exits: list[int], tokens: list[int]) -> bool:
@@ -47,7 +61,7 @@ class HyperVerifier:
                  dft: Sequence):
         ctx, n, k = tgt.ctx, len(tokens), self.pred.k
         recent = tgt.tokens[-LOOP_SPAN * LOOP_REPEATS:] + tokens[:1]
-        # a looping output is verified at full depth (early_exit/decode.py: exits can lock into one)
+        # a looping output is verified at full depth (exits can lock into one: looping)
         layers = [] if looping(recent) else self.sched.layers(n_rows=n)
         if not layers:   # nothing worth probing: spec's own one-batch verification
             tgt.decode(tokens, all_outputs=True)
