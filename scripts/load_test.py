@@ -7,6 +7,7 @@ server's own counters, as JSON and, with ``--markdown``, as a table with the com
 made it.
 
     python scripts/load_test.py --clients 4 --seconds 60 [--markdown]
+    python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --seconds 60
     python scripts/load_test.py --clients 8 --seconds 60 --hostile   # second half under attack
 
 ``--hostile``: for the second half of the run, another process opens 1,000 connections that
@@ -47,6 +48,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--draft", args.draft]
     if args.mode:
         cmd += ["--mode", args.mode]
+    if args.parallel > 1:
+        cmd += ["--parallel", str(args.parallel)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     line = p.stdout.readline()
@@ -102,6 +105,8 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--mode")
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="the server's slots (serve --parallel): requests decoded at once")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -201,7 +206,8 @@ def main() -> None:
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     summary = {
-        "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
+        "clients": args.clients, "parallel": args.parallel, "seconds": args.seconds,
+        "max_tokens": args.max_tokens,
         "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,
         "wall_s": round(wall, 1), "requests_per_s": round(len(ok) / wall, 3),
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
@@ -236,8 +242,10 @@ def main() -> None:
         s = summary
         body = (f"Command: `{cmd}`\n\n"
                 f"Machine: {s['machine']}. Server: `specee-cpp serve` on "
-                f"{health['model']} (mode {health['mode']}), one request at a time from a "
-                f"bounded queue; {s['clients']} clients each send streamed chat requests "
+                f"{health['model']} (mode {health['mode']}), "
+                + (f"{args.parallel} requests at a time in one batch a step"
+                   if args.parallel > 1 else "one request at a time")
+                + f" from a bounded queue; {s['clients']} clients each send streamed chat requests "
                 f"(Spec-Bench dev prompts, greedy, max_tokens {s['max_tokens']}) back to back "
                 f"for {s['seconds']:.0f} s; requests already sent are waited for.\n\n"
                 "| clients | sent | completed | refused (429) | lost | req/s | tokens/s "
@@ -249,9 +257,8 @@ def main() -> None:
                 f"{s['ttft_p50_s']} / {s['ttft_p95_s']} s |\n\n"
                 f"Server counters after the run: served {health['served']}, failed "
                 f"{health['failed']}, cancelled {health['cancelled']}, refused "
-                f"{health['refused']}. Latency includes the wait in the queue: with one "
-                f"request at a time it grows with the number of clients (about clients x one "
-                f"request's time); tokens/s is generated tokens over the wall time, which also "
+                f"{health['refused']}. Latency includes the wait in the queue: with "
+                f"fewer slots than clients it grows with the number of clients; tokens/s is generated tokens over the wall time, which also "
                 f"pays for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
         print(body)
     if lost:

@@ -30,6 +30,12 @@ MAX_VERIFY = 16       # largest target batch the cost model measures one by one 
 LONG_BATCHES = (24, 32, 48, 64)
 MAX_FREE_VERIFY = LONG_BATCHES[-1]
 FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked
+# the server's slots (engine/slots.py): a step decodes at most SLOT_STEP rows, every waiting
+# slot's together, and a slot's prompt goes in chunks of SLOT_CHUNK. Both within the batch
+# sizes a verification takes, whose rows decode bit for bit as they do in any other batch of
+# those sizes: a slot's greedy output does not depend on what the other slots decode
+SLOT_STEP = MAX_FREE_VERIFY
+SLOT_CHUNK = 32
 
 
 # ---- tuning: the constants the decoding logic decides with ----------------------------------
@@ -157,12 +163,17 @@ class LoadConfig:
     # map the GGUF file (True) or read the weights into private memory on huge pages
     # (False); None: memory.private_weights decides per model
     mmap: bool | None = None
+    # sequences the target's context holds, each of n_ctx tokens in one KV cache (the
+    # server's slots, decoded in one batch: engine/slots.py)
+    n_seq: int = 1
 
     def __post_init__(self) -> None:
         if self.n_ctx < 16:
             raise SpeceeError(f"n_ctx must be at least 16, got {self.n_ctx}")
         if self.n_batch < 1:
             raise SpeceeError(f"n_batch must be positive, got {self.n_batch}")
+        if self.n_seq < 1:
+            raise SpeceeError(f"the number of sequences must be positive, got {self.n_seq}")
         if self.n_threads < 0:
             raise SpeceeError(f"n_threads must be >= 0, got {self.n_threads}")
         cpus = os.cpu_count() or 1

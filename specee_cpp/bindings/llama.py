@@ -180,7 +180,6 @@ class Model:
         # rows of a reduced-vocabulary LM head (models/head.py), 0 for a full head; logits
         # still span n_vocab (-inf where the head has no row)
         self.n_head = int(_ffi.llama_specee_head_n(ptr))
-        self._piece_buf = ctypes.create_string_buffer(256)
 
     def close(self) -> None:
         if self.__dict__.get("_ptr"):
@@ -224,13 +223,13 @@ class Model:
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         if not 0 <= token < self.n_vocab:
             raise SpeceeError(f"token id {token} out of range [0, {self.n_vocab})")
-        n = ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0,
-                                    special)
+        # a buffer per call: several threads (the server's slots) detokenize at once
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = ll.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
-            return buf.raw[:n]
-        return self._piece_buf.raw[:n]
+        return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
@@ -257,25 +256,40 @@ class Model:
 
 
 class Batch:
-    """A token batch for one sequence (seq id 0), reusable across decodes."""
+    """A token batch, reusable across decodes: one sequence's tokens (``set``), or rows of
+    several sequences (``set_rows``)."""
 
     def __init__(self, n_max: int):
         self.n_max = n_max
         self.raw = ll.llama_batch_init(n_max, 0, 1)
 
-    def set(self, tokens: list[int], pos0: int, output_last_only: bool = True) -> None:
-        """Fill with ``tokens`` at positions pos0..; logits for the last token or for all."""
+    def set(self, tokens: list[int], pos0: int, output_last_only: bool = True,
+            seq_id: int = 0) -> None:
+        """Fill with ``tokens`` at positions pos0.. of sequence ``seq_id``; logits for the
+        last token or for all."""
         n = len(tokens)
+        self.set_rows([(t, pos0 + i, seq_id, (i == n - 1) or not output_last_only)
+                       for i, t in enumerate(tokens)])
+
+    def set_rows(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """Fill with ``rows`` of (token, position, sequence id, logits wanted)."""
+        n = len(rows)
         if not 0 < n <= self.n_max:
             raise SpeceeError(f"batch of {n} tokens, capacity {self.n_max}")
         b = self.raw
         b.n_tokens = n
-        for i, t in enumerate(tokens):
+        for i, (t, pos, seq, out) in enumerate(rows):
             b.token[i] = t
-            b.pos[i] = pos0 + i
+            b.pos[i] = pos
             b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = (i == n - 1) or not output_last_only
+            b.seq_id[i][0] = seq
+            b.logits[i] = out
+
+    def rows(self) -> list[tuple[int, int, int, bool]]:
+        """The rows it holds, as ``set_rows`` takes them."""
+        b = self.raw
+        return [(b.token[i], b.pos[i], b.seq_id[i][0], bool(b.logits[i]))
+                for i in range(b.n_tokens)]
 
     def close(self) -> None:
         if getattr(self, "raw", None) is not None:
@@ -357,7 +371,6 @@ class Context:
         self.n_batch = n_batch
         self.mem = ll.llama_get_memory(ptr)
         self._stage_n_tokens = 0
-        self._top1, self._entropy = ctypes.c_float(), ctypes.c_float()   # confidence()'s
 
     def close(self) -> None:
         if self.__dict__.get("_ptr"):
@@ -395,16 +408,18 @@ class Context:
         without copying the n_vocab logits into numpy for a softmax there (Ice Lake Xeon,
         reduced-head draft: 0.20 ms against 1.29, ~5% of its 23 ms decode). Terms more than
         24 below the max are left out (< 1.5e-4 nats over a 152k vocabulary)."""
-        top1, ent = self._top1, self._entropy
+        top1, ent = ctypes.c_float(), ctypes.c_float()
         tok = _ffi.llama_specee_confidence(self.ptr, i, ctypes.byref(top1), ctypes.byref(ent))
         if tok < 0:
             raise DecodeError(f"no logits for output {i}: {_last_error()}")
         return tok, top1.value, ent.value
 
-    def seq_rm(self, p0: int, p1: int = -1) -> None:
-        """Remove positions [p0, p1) of sequence 0 from the KV cache (p1 -1: to the end)."""
-        if not ll.llama_memory_seq_rm(self.mem, 0, p0, p1):
-            raise SpeceeError(f"KV cache could not remove positions [{p0}, {p1})")
+    def seq_rm(self, p0: int, p1: int = -1, seq_id: int = 0) -> None:
+        """Remove positions [p0, p1) of sequence ``seq_id`` from the KV cache (p1 -1: to the
+        end)."""
+        if not ll.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
+            raise SpeceeError(f"KV cache could not remove positions [{p0}, {p1}) of "
+                              f"sequence {seq_id}")
 
     def clear(self) -> None:
         ll.llama_memory_clear(self.mem, True)

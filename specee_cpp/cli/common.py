@@ -54,14 +54,14 @@ def _global(no_amx: bool = typer.Option(
 
 # ---- shared options -------------------------------------------------------------------------
 
-def _load_config(n_ctx: int, threads: int, gpu_layers: int) -> LoadConfig:
+def _load_config(n_ctx: int, threads: int, gpu_layers: int, n_seq: int = 1) -> LoadConfig:
     if gpu_layers:
         from ..bindings._ffi import ll
 
         if not ll.llama_supports_gpu_offload():
             err.print(f"[yellow]warning:[/yellow] --gpu-layers {gpu_layers} ignored: this build "
                       f"has no GPU backend (rebuild with CMAKE_ARGS=-DGGML_CUDA=on)")
-    return LoadConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers)
+    return LoadConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers, n_seq=n_seq)
 
 
 def _default_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:

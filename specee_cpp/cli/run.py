@@ -5,6 +5,7 @@ import json
 import sys
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -229,6 +230,11 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on every route."),
     max_queue: int = typer.Option(16, "--max-queue",
                                   help="Requests that may wait; past it the answer is 429."),
+    parallel: int = typer.Option(1, "--parallel",
+                                 help="Requests decoded at once, each in a slot of one KV "
+                                      "cache (--n-ctx tokens each), their tokens in one batch "
+                                      "a step. Above 1 the slots decode plainly (no draft "
+                                      "model, no early exit)."),
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
@@ -257,10 +263,22 @@ def serve(
         # an empty key would turn authentication off without a word
         raise SpeceeError("--api-key (or SPECEE_CPP_API_KEY) is empty: give a key, or leave "
                           "both out to serve without one")
-    model, draft = _default_pair(model, draft)
+    if parallel < 1:
+        raise SpeceeError(f"--parallel {parallel}: at least 1 request at a time")
+    if parallel > 1:
+        # a slot's decodes share each step's batch with the other slots': the target's own
+        # decodes only (engine/slots.py)
+        if draft is not None or flags.mode not in (None, "plain"):
+            raise SpeceeError(f"--parallel {parallel} decodes plainly in each slot: leave out "
+                              f"--draft and --mode (or serve one request at a time)")
+        flags = replace(flags, mode="plain")
+        model = _default_pair(model, None)[0]
+    else:
+        model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
-    config = _load_config(n_ctx, threads, gpu_layers)   # refused before the port is taken
+    # refused before the port is taken
+    config = _load_config(n_ctx, threads, gpu_layers, n_seq=parallel)
     # bound before loading, so a taken port is one line now, not after a minute of loading
     try:
         sock = socket.create_server((host, port))
@@ -281,8 +299,9 @@ def serve(
             err.print(f"[yellow]warning:[/yellow] listening on {host} without --api-key: "
                       f"anyone who can reach this machine can use the model")
         # one line on stdout with the address (scripts and tests read it; port 0 picks one)
-        print(f"specee-cpp serving {cfg.model_name} (mode {m.name}) on "
-              f"http://{bound[0]}:{bound[1]}/v1", flush=True)
+        print(f"specee-cpp serving {cfg.model_name} (mode {m.name}"
+              + (f", {parallel} slots" if parallel > 1 else "")
+              + f") on http://{bound[0]}:{bound[1]}/v1", flush=True)
         server.run(sockets=[sock])
 
 

@@ -90,21 +90,23 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 class _Loaded:
     """A model with its context and cached sequence."""
 
-    def __init__(self, path: Path, cfg: LoadConfig, flash_attn: bool | None = None):
+    def __init__(self, path: Path, cfg: LoadConfig, flash_attn: bool | None = None,
+                 n_seq: int = 1):
         mmap = cfg.mmap if cfg.mmap is not None else not private_weights(path, cfg.n_gpu_layers)
         self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers, use_mmap=mmap)
-        self.cfg = cfg
-        self._open(flash_attn)
+        self.cfg, self.n_seq = cfg, n_seq
+        self._open(flash_attn, n_seq)
 
-    def _open(self, flash_attn: bool | None) -> None:
-        self.ctx = Context(self.model, n_ctx=self.cfg.n_ctx, n_batch=self.cfg.n_batch,
-                           n_threads=self.cfg.threads, flash_attn=flash_attn)
+    def _open(self, flash_attn: bool | None, n_seq: int = 1) -> None:
+        self.ctx = Context(self.model, n_ctx=self.cfg.n_ctx * n_seq, n_batch=self.cfg.n_batch,
+                           n_threads=self.cfg.threads, flash_attn=flash_attn, n_seq_max=n_seq,
+                           kv_unified=True if n_seq > 1 else None)
         self.seq = Sequence(self.ctx)
 
     def reopen(self, flash_attn: bool | None) -> None:
         """A fresh context (empty cache) with this flash-attention setting; weights kept."""
         self.ctx.close()
-        self._open(flash_attn)
+        self._open(flash_attn, self.n_seq)
 
     def close(self) -> None:
         self.ctx.close()
@@ -131,7 +133,7 @@ class LLM:
         draft_path = resolve(draft) if draft is not None else None
         if draft_path is not None:
             check_same_tokenizer(target_path, draft_path)
-        self.tgt = _Loaded(target_path, config)
+        self.tgt = _Loaded(target_path, config, n_seq=config.n_seq)
         self.draft_path = draft_path
         self.draft_base_path = variant_base(draft) if draft is not None else None
         self._dft: _Loaded | None = None
@@ -257,8 +259,8 @@ class LLM:
 
     @property
     def n_ctx(self) -> int:
-        """Tokens the target's context holds: prompt and reply together."""
-        return self.tgt.ctx.n_ctx
+        """Tokens one sequence of the target's context holds: prompt and reply together."""
+        return self.tgt.ctx.n_ctx // self.tgt.n_seq
 
     def cached(self, key: tuple, make: Callable[[], Any]) -> Any:
         """What a mode derives from this LLM's models once (a predictor bundle, a cost

@@ -143,6 +143,14 @@ class Server:
         """A request as the worker runs it, refused here if anything about it cannot run."""
         llm, cfg = self.llm, self.cfg
         mode, options = self.mode_of(body.specee)
+        n = self.worker.slots
+        if n > 1 and (mode.name != "plain" or body.prediction is not None):
+            # a slot's decodes share each step's batch with the other slots': the target's
+            # own decodes only, no draft model's or staged ones, no verification batches
+            what = f"mode {mode.name}" if mode.name != "plain" else "a prediction"
+            raise FieldError("prediction" if mode.name == "plain" else "specee.mode",
+                             f"{what} is not served with --parallel {n}, whose slots decode "
+                             f"plainly; start the server with --parallel 1 for it")
         base = cfg.sampling
         sampling = SamplingConfig(
             temperature=base.temperature if body.temperature is None else body.temperature,
@@ -257,7 +265,8 @@ router = APIRouter()
 async def health(s: Server = Depends(served)):
     c, w = s.worker.counters, s.worker
     return {"status": "ok", "model": s.cfg.model_name, "mode": s.cfg.mode.name,
-            "busy": w.busy, "waiting": w.waiting, "max_queue": w.max_queue,
+            "busy": w.busy, "slots": w.slots, "running": w.running, "waiting": w.waiting,
+            "max_queue": w.max_queue,
             "served": c.served, "failed": c.failed, "cancelled": c.cancelled,
             "refused": c.refused, "last_cancel": c.last_cancel}
 

@@ -1,11 +1,12 @@
-"""The one thread that touches the models: requests run one at a time, in arrival order.
+"""The threads that run requests: one, taking them in arrival order, or one per slot.
 
-llama.cpp contexts are not safe to drive from two threads, and a 2-core laptop gains
-nothing from interleaving two generations, so the server keeps one model pair and one
-worker thread. HTTP handlers (on the event loop) put a :class:`Job` in a bounded queue and
-read its steps back from an asyncio queue; a job whose client went away is marked cancelled
-and the worker stops it before the next token is decoded (plain and speculative strategies
-decode only when the next step is asked for).
+With one slot (the default) a single worker thread owns the model pair and runs each request
+to its end. With ``parallel`` slots each slot's thread takes the next request and runs it on
+its own sequence of the target's context; their decodes meet in one batch a step
+(engine/slots.py), the only place the context is driven from. HTTP handlers (on the event
+loop) put a :class:`Job` in a bounded queue and read its steps back from an asyncio queue; a
+job whose client went away is marked cancelled and its slot stops it before the next token
+is decoded (plain and speculative strategies decode only when the next step is asked for).
 """
 from __future__ import annotations
 
@@ -81,21 +82,36 @@ class Counters:
 
 
 class Worker:
-    """Owns ``llm``; runs queued jobs one at a time on its own thread."""
+    """Owns ``llm``; runs queued jobs on one thread per slot (``llm``'s sequences,
+    ``LoadConfig.n_seq``)."""
 
     def __init__(self, llm: LLM, max_queue: int = 16, idle=None):
         if max_queue < 1:
             raise SpeceeError(f"--max-queue must be at least 1, got {max_queue}")
         self.llm = llm
-        # the machine's costs, measured between requests (speculative/idle.py), or None
-        self.idle = idle
         self.max_queue = max_queue
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._busy: Job | None = None
+        self._busy: dict[int, Job] = {}   # id -> a running job
         self._recent: deque[float] = deque(maxlen=8)   # seconds per finished job
         self.counters = Counters()
-        self._thread = threading.Thread(target=self._run, name="specee-cpp-worker", daemon=True)
-        self._thread.start()
+        self.slots = llm.tgt.n_seq
+        if self.slots == 1:
+            views = [llm]
+            self.decoder = None
+            # the machine's costs, measured between requests (speculative/idle.py), or None
+            self.idle = idle
+        else:
+            from ..engine.slots import slots
+
+            # measuring costs takes the whole machine, which is never idle between requests
+            # of several slots: the costs come from `specee-cpp costs`
+            self.decoder, views = slots(llm)
+            self.idle = None
+        self._threads = [threading.Thread(target=self._run, args=(view,), daemon=True,
+                                          name=f"specee-cpp-slot-{i}")
+                         for i, view in enumerate(views)]
+        for t in self._threads:
+            t.start()
 
     # ---- the event loop's side ------------------------------------------------------------
 
@@ -110,10 +126,10 @@ class Worker:
                             f"(--max-queue {self.max_queue})", self.retry_after()) from None
 
     def retry_after(self) -> int:
-        """Seconds until a slot is likely free: a slot frees when the running job ends, so
-        the mean of the recent jobs' durations."""
+        """Seconds until a slot is likely free: a slot frees when its job ends, so the mean
+        of the recent jobs' durations over the slots."""
         per_job = sum(self._recent) / len(self._recent) if self._recent else 1.0
-        return max(1, math.ceil(per_job))
+        return max(1, math.ceil(per_job / self.slots))
 
     @property
     def waiting(self) -> int:
@@ -121,12 +137,17 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self._busy is not None
+        return bool(self._busy)
+
+    @property
+    def running(self) -> int:
+        """Slots running a request."""
+        return len(self._busy)
 
     def close(self) -> None:
-        """Stop the running job and the thread (pending jobs are dropped)."""
-        if self._busy is not None:
-            self._busy.stop()
+        """Stop the running jobs and the threads (pending jobs are dropped)."""
+        for job in list(self._busy.values()):
+            job.stop()
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -134,12 +155,15 @@ class Worker:
                 break
             job.stop()
             job.put(END)
-        self._jobs.put(None)   # may block briefly if full: the worker is draining it
-        self._thread.join(timeout=30)
+        for _ in self._threads:
+            self._jobs.put(None)   # may block briefly if full: the slots are draining it
+        for t in self._threads:
+            t.join(timeout=30)
 
-    # ---- the worker thread ----------------------------------------------------------------
+    # ---- the slots' threads -----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, llm) -> None:
+        """One slot: jobs run on ``llm`` (the LLM, or this slot's view of it)."""
         served = False
         while True:
             job = self._next(served)
@@ -150,12 +174,12 @@ class Worker:
                 self.counters.cancelled += 1
                 job.put(END)
                 continue
-            self._busy = job
+            self._busy[id(job)] = job
             t0 = time.perf_counter()
             try:
-                self._generate(job)
+                self._generate(job, llm)
             finally:
-                self._busy = None
+                self._busy.pop(id(job), None)
                 self._recent.append(time.perf_counter() - t0)
                 job.put(END)
 
@@ -173,11 +197,20 @@ class Worker:
             self.idle.run(stop=lambda: not self._jobs.empty())
         return self._jobs.get()
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job, llm) -> None:
+        if self.decoder is not None:
+            self.decoder.enter()
+        try:
+            self._steps(job, llm)
+        finally:
+            if self.decoder is not None:
+                self.decoder.leave()
+
+    def _steps(self, job: Job, llm) -> None:
         after_cancel = 0
         try:
-            job.mode.prepare(self.llm, job.options)
-            steps = self.llm.stream(job.prompt, max_tokens=job.max_tokens,
+            job.mode.prepare(llm, job.options)
+            steps = llm.stream(job.prompt, max_tokens=job.max_tokens,
                                     sampling=job.sampling, stop=job.stops,
                                     mode=job.mode, options=job.options,
                                     ignore_eos=job.ignore_eos, prediction=job.prediction)

@@ -1,0 +1,191 @@
+"""Several generations in one context, their rows decoded in one batch.
+
+Each slot is a sequence of the target's context (``LoadConfig.n_seq``: one KV cache, n_ctx
+tokens per slot) driven by its own thread, running a strategy unchanged: the strategy sees a
+:class:`SlotLLM` whose target context is a :class:`SlotContext`, a view that hands each
+decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``llama_decode``
+as soon as every slot in use is waiting on it, with every waiting slot's rows (in arrival
+order, as many as one batch holds), so the slots advance together, a step of four clients
+costing about what a small verification batch costs. A slot's long prompt is fed in chunks of
+``SLOT_CHUNK`` rows, one per step, so it shares each step with the others' tokens instead of
+stalling them; a step holds at most ``SLOT_STEP`` rows (config.py says why).
+
+Between two steps no decode runs: that is when each slot reads its outputs and cuts its
+cache, one slot at a time (``SharedDecoder.lock``: llama.cpp's reads and cache edits are not
+safe from two threads at once). Only decodes that go through a sequence are batched: the staged
+decode of early exit runs one batch layer by layer and is refused in a slot.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..bindings import Batch, Context
+from ..config import SLOT_CHUNK, SLOT_STEP
+from ..errors import SpeceeError
+from .llm import LLM
+from .sequence import Sequence
+
+
+class SharedDecoder:
+    """One ``llama_decode`` a step for the rows of every waiting slot of ``ctx``."""
+
+    def __init__(self, ctx: Context, max_rows: int = SLOT_STEP):
+        self.ctx = ctx
+        self.max_rows = min(max_rows, ctx.n_batch)
+        self._cond = threading.Condition()
+        self._in_use = 0
+        self._waiting: dict[int, list[tuple]] = {}     # slot -> rows, in arrival order
+        self._done: dict[int, int | BaseException] = {}
+        self._batch = Batch(ctx.n_batch)
+        self.steps = 0      # llama_decode calls: how the slots were batched
+        # held by a slot reading its outputs or cutting its cache between steps
+        self.lock = threading.Lock()
+
+    def enter(self) -> None:
+        """A slot starts decoding: the next step waits for its rows too."""
+        with self._cond:
+            self._in_use += 1
+
+    def leave(self) -> None:
+        """A slot is done (its cache cut back): the steps no longer wait for it."""
+        with self._cond:
+            self._in_use -= 1
+            self._step_if_ready()
+
+    def decode(self, slot: int, rows: list[tuple[int, int, int, bool]]) -> int:
+        """Decode ``rows`` of (token, position, sequence, logits wanted) in the next step;
+        returns where they start in that step's batch (the outputs are read by that index
+        until the slot asks for its next decode)."""
+        with self._cond:
+            self._waiting[slot] = rows
+            self._step_if_ready()
+            while slot not in self._done:
+                self._cond.wait()
+            done = self._done.pop(slot)
+        if isinstance(done, BaseException):
+            raise done
+        return done
+
+    def _step_if_ready(self) -> None:
+        """With the lock held: one step once every slot in use waits on one."""
+        if not self._waiting or len(self._waiting) < self._in_use:
+            return
+        taken, rows = [], []
+        for slot, r in self._waiting.items():
+            if rows and len(rows) + len(r) > self.max_rows:
+                break          # the next step takes it first
+            taken.append((slot, len(rows)))
+            rows += r
+        try:
+            self._batch.set_rows(rows)
+            self.ctx.decode(self._batch)
+            self.steps += 1
+            failed = None
+        except BaseException as e:    # every slot of the step gets it: the step did not run
+            failed = e
+        for slot, at in taken:
+            del self._waiting[slot]
+            self._done[slot] = at if failed is None else failed
+        self._cond.notify_all()
+
+
+class SlotContext:
+    """Sequence ``seq_id`` of a shared context, as a :class:`Sequence` uses a context: its
+    decodes go through the decoder, its outputs are read where its rows stood."""
+
+    def __init__(self, ctx: Context, decoder: SharedDecoder, seq_id: int, n_ctx: int,
+                 chunk: int = SLOT_CHUNK):
+        self._ctx, self._decoder, self.seq_id = ctx, decoder, seq_id
+        self.model = ctx.model
+        self.n_ctx = n_ctx
+        self.n_batch = min(chunk, ctx.n_batch)   # a Sequence feeds longer prompts in chunks
+        self.what = f"slot {seq_id} of {ctx.what}"
+        self._at, self._outputs = 0, []
+
+    def decode(self, batch: Batch) -> None:
+        rows = [(t, pos, self.seq_id, out) for t, pos, _, out in batch.rows()]
+        self._at = self._decoder.decode(self.seq_id, rows)
+        self._outputs = [i for i, r in enumerate(rows) if r[3]]
+
+    def _index(self, i: int) -> int:
+        """The shared batch's index of this slot's output ``i`` (a row index, or from the
+        end of its outputs where negative, as llama.cpp reads them)."""
+        if i < 0:
+            if -i > len(self._outputs):
+                raise SpeceeError(f"no output {i} in slot {self.seq_id}'s last decode")
+            return self._at + self._outputs[i]
+        return self._at + i
+
+    def argmax(self, i: int = -1) -> int:
+        with self._decoder.lock:
+            return self._ctx.argmax(self._index(i))
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        with self._decoder.lock:
+            return self._ctx.logits(self._index(i))
+
+    def confidence(self, i: int = -1) -> tuple[int, float, float]:
+        with self._decoder.lock:
+            return self._ctx.confidence(self._index(i))
+
+    def seq_rm(self, p0: int, p1: int = -1) -> None:
+        with self._decoder.lock:
+            self._ctx.seq_rm(p0, p1, seq_id=self.seq_id)
+
+    def clear(self) -> None:
+        self.seq_rm(0)
+
+    def __getattr__(self, name: str):
+        if name.startswith("stage_"):
+            raise SpeceeError("a staged decode (early exit) runs one batch layer by layer and "
+                              "cannot share a step with other slots")
+        raise AttributeError(name)
+
+
+class _SlotTarget:
+    """A slot's target: the model, the slot's context view and its sequence."""
+
+    def __init__(self, ctx: SlotContext):
+        self.model, self.ctx, self.seq = ctx.model, ctx, Sequence(ctx)
+
+
+class SlotLLM:
+    """What a mode sees of ``llm`` in one slot: the target's sequence is the slot's, the
+    rest (models, tokenizer, what modes derived once) is the LLM's. Only modes that decode
+    the target alone run here: a draft model's context is not shared between slots."""
+
+    def __init__(self, llm, ctx: SlotContext):
+        self._llm = llm
+        self.tgt = _SlotTarget(ctx)
+
+    def __getattr__(self, name: str):
+        return getattr(self._llm, name)
+
+    @property
+    def model(self):
+        return self.tgt.model
+
+    @property
+    def n_ctx(self) -> int:
+        return self.tgt.ctx.n_ctx
+
+    @property
+    def dft(self):
+        raise SpeceeError("a draft model is not run in a slot shared with other requests")
+
+    def reset(self) -> None:
+        self.tgt.seq.rewind(0)
+
+    stream = LLM.stream
+    generate = LLM.generate
+
+
+def slots(llm) -> tuple[SharedDecoder, list[SlotLLM]]:
+    """The decoder of ``llm``'s target context and one SlotLLM per sequence it holds
+    (``LoadConfig.n_seq``)."""
+    ctx = llm.tgt.ctx
+    decoder = SharedDecoder(ctx)
+    return decoder, [SlotLLM(llm, SlotContext(ctx, decoder, i, llm.n_ctx))
+                     for i in range(llm.tgt.n_seq)]
