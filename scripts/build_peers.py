@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Build (or reuse) llama.cpp's own speculative tools, the peers `specee-cpp bench` compares
 against: llama-speculative-simple (draft model and n-gram speculation), llama-lookup and
-llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache).
+llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache). With
+``--server``, llama-server instead (the peer of ``specee-cpp serve`` in
+scripts/load_test.py), cached apart: only the load test needs it.
 
 They are built from the llama.cpp sources vendored in the same pinned llama-cpp-python
 sdist as our wheel, without our patches (the peers are what a user would get) but one:
@@ -38,6 +40,7 @@ from build_wheel import (LLAMA_CPP_PYTHON_VERSION, PATCH_DIR, BuildError,  # noq
 from check_amx_codegen import check_file  # noqa: E402
 
 TARGETS = ["llama-speculative-simple", "llama-lookup", "llama-lookup-create"]
+SERVER = ["llama-server"]
 # what the peers get of ours: the AMX miscompilation fix, nothing that changes llama.cpp
 PATCHES = [PATCH_DIR / "0003-amx-tile-stores-and-switch.patch"]
 DEFAULT_CMAKE_ARGS = [
@@ -56,8 +59,13 @@ def exe(name: str) -> str:
     return name + (".exe" if sys.platform == "win32" else "")
 
 
-def cmake_args() -> list[str]:
-    return DEFAULT_CMAKE_ARGS + os.environ.get("CMAKE_ARGS", "").split()
+def cmake_args(server: bool = False) -> list[str]:
+    args = DEFAULT_CMAKE_ARGS
+    if server:   # the server lives among the tools
+        args = [a for a in args if not a.startswith(("-DLLAMA_BUILD_TOOLS=",
+                                                      "-DLLAMA_BUILD_SERVER="))]
+        args += ["-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON"]
+    return args + os.environ.get("CMAKE_ARGS", "").split()
 
 
 def cache_key(args: list[str]) -> str:
@@ -71,7 +79,7 @@ def cache_key(args: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def build(out_dir: Path, args: list[str]) -> Path:
+def build(out_dir: Path, args: list[str], targets: list[str]) -> Path:
     sdist = fetch_sdist(home_dir() / "sdist")
     work = Path(tempfile.mkdtemp(prefix="specee-peers-"))
     try:
@@ -82,14 +90,14 @@ def build(out_dir: Path, args: list[str]) -> Path:
         apply_patches(src, PATCHES)
         bld = work / "build"
         jobs = str(os.cpu_count() or 2)
-        log(f"building {', '.join(TARGETS)} (CMake options: {' '.join(args)}); "
+        log(f"building {', '.join(targets)} (CMake options: {' '.join(args)}); "
             f"about 4-6 min on 2 cores")
         t0 = time.time()
         build_log = work / "build.log"
         with open(build_log, "w") as fh:
             for cmd in (["cmake", "-S", str(src), "-B", str(bld), *args],
                         ["cmake", "--build", str(bld), "--config", "Release", "-j", jobs,
-                         "--target", *TARGETS]):
+                         "--target", *targets]):
                 r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
                 if r.returncode != 0:
                     tail = build_log.read_text(errors="replace")[-6000:]
@@ -99,7 +107,7 @@ def build(out_dir: Path, args: list[str]) -> Path:
         staging = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        for t in TARGETS:
+        for t in targets:
             found = [p for p in bld.rglob(exe(t)) if p.is_file()]
             if not found:
                 raise BuildError(f"{exe(t)} not found under {bld} after the build")
@@ -109,7 +117,7 @@ def build(out_dir: Path, args: list[str]) -> Path:
                 raise BuildError(msg)
             log(msg)
         (staging / "build.json").write_text(json.dumps({
-            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "targets": TARGETS,
+            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "targets": targets,
             "patches": [p.name for p in PATCHES],
             "cmake_args": args, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -119,20 +127,22 @@ def build(out_dir: Path, args: list[str]) -> Path:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def cached_tools(force: bool = False) -> Path:
-    args = cmake_args()
+def cached_tools(force: bool = False, server: bool = False) -> Path:
+    args, targets = cmake_args(server), SERVER if server else TARGETS
     out_dir = home_dir() / "tools" / cache_key(args)
-    if not force and all((out_dir / exe(t)).is_file() for t in TARGETS):
+    if not force and all((out_dir / exe(t)).is_file() for t in targets):
         log(f"reusing cached llama.cpp tools in {out_dir}")
         return out_dir
-    return build(out_dir, args)
+    return build(out_dir, args, targets)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ap.add_argument("--server", action="store_true",
+                    help="build llama-server (the load test's peer) instead")
     ns = ap.parse_args()
-    return print_built(lambda: cached_tools(force=ns.force))
+    return print_built(lambda: cached_tools(force=ns.force, server=ns.server))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,45 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def start_peer(args) -> tuple[subprocess.Popen, str]:
+    """llama-server (scripts/build_peers.py --server) on the same model, threads, slots
+    (``-np``) and per-slot context; ready once /health answers 200."""
+    import socket
+
+    from specee_cpp.config import N_CTX, default_threads
+    from specee_cpp.engine.llm import resolve
+
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "build_peers.py"),
+                        "--server"], stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit("error: llama-server could not be built (scripts/build_peers.py --server)")
+    exe = Path(r.stdout.strip().splitlines()[-1]) / ("llama-server.exe" if os.name == "nt"
+                                                     else "llama-server")
+    with socket.socket() as sock:   # a free port (llama-server takes no port 0)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    if args.model is None:
+        sys.exit("error: --peer needs the model named")
+    threads = str(default_threads())
+    cmd = [str(exe), "-m", str(resolve(args.model)), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(args.parallel), "-c", str(N_CTX * args.parallel), "-t", threads,
+           "-tb", threads, "--no-webui"] + (args.peer_args.split() if args.peer_args else [])
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as h:
+                if h.status == 200:
+                    return p, url + "/v1"
+        except (urllib.error.URLError, OSError):
+            pass
+        if p.poll() is not None:
+            sys.exit(f"error: llama-server exited ({p.stderr.read()[-2000:]})")
+        time.sleep(0.5)
+    p.kill()
+    sys.exit("error: llama-server did not become ready in 5 minutes")
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "specee_cpp.cli", "serve", "--port", "0",
            "--max-queue", str(max(args.clients, 1) * 2)]
@@ -107,6 +146,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--parallel", type=int, default=1,
                     help="the server's slots (serve --parallel): requests decoded at once")
+    ap.add_argument("--peer", action="store_true",
+                    help="load llama-server instead (built from the pinned sources, -np "
+                         "--parallel), the same model and clients")
+    ap.add_argument("--peer-args", help="more llama-server flags, e.g. '--spec-type ngram-mod'")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
@@ -124,7 +167,7 @@ def main() -> None:
     from specee_cpp.records import records
 
     prompts = [r["turns"][0] for r in records(DEV_PROMPTS)]
-    server, url = start_server(args)
+    server, url = start_peer(args) if args.peer else start_server(args)
     results: list[dict] = []
     lock = threading.Lock()
     try:
@@ -148,11 +191,16 @@ def main() -> None:
                         model="m", messages=[{"role": "user", "content": prompt}],
                         max_tokens=args.max_tokens, temperature=0, stream=True,
                         stream_options={"include_usage": True})
+                    pieces = 0
                     for chunk in stream:
-                        if rec["ttft"] is None and chunk.choices and chunk.choices[0].delta.content:
-                            rec["ttft"] = time.perf_counter() - t0
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            pieces += 1
+                            if rec["ttft"] is None:
+                                rec["ttft"] = time.perf_counter() - t0
                         if chunk.usage is not None:
                             rec["tokens"] = chunk.usage.completion_tokens
+                    # a server that reports no usage: its streamed pieces, a token each
+                    rec["tokens"] = rec["tokens"] or pieces
                     rec["ok"] = True
                 except openai.APIStatusError as e:
                     rec["status"] = e.status_code
@@ -240,14 +288,20 @@ def main() -> None:
     if args.markdown:
         cmd = "python scripts/load_test.py " + " ".join(sys.argv[1:])
         s = summary
+        served = (f"llama-server -np {args.parallel} {args.peer_args or ''} on {args.model}"
+                  if args.peer else
+                  f"`specee-cpp serve` on {health['model']} (mode {health['mode']}), "
+                  + (f"{args.parallel} requests at a time in one batch a step"
+                     if args.parallel > 1 else "one request at a time"))
+        counters = ("" if args.peer else
+                    f"Server counters after the run: served {health['served']}, failed "
+                    f"{health['failed']}, cancelled {health['cancelled']}, refused "
+                    f"{health['refused']}. ")
         body = (f"Command: `{cmd}`\n\n"
-                f"Machine: {s['machine']}. Server: `specee-cpp serve` on "
-                f"{health['model']} (mode {health['mode']}), "
-                + (f"{args.parallel} requests at a time in one batch a step"
-                   if args.parallel > 1 else "one request at a time")
-                + f" from a bounded queue; {s['clients']} clients each send streamed chat requests "
-                f"(Spec-Bench dev prompts, greedy, max_tokens {s['max_tokens']}) back to back "
-                f"for {s['seconds']:.0f} s; requests already sent are waited for.\n\n"
+                f"Machine: {s['machine']}. Server: {served}, from a bounded queue; "
+                f"{s['clients']} clients each send streamed chat requests (Spec-Bench dev "
+                f"prompts, greedy, max_tokens {s['max_tokens']}) back to back for "
+                f"{s['seconds']:.0f} s; requests already sent are waited for.\n\n"
                 "| clients | sent | completed | refused (429) | lost | req/s | tokens/s "
                 "| latency p50 / p95 | first token p50 / p95 |\n"
                 "|---|---|---|---|---|---|---|---|---|\n"
@@ -255,11 +309,10 @@ def main() -> None:
                 f"{s['lost']} | {s['requests_per_s']} | {s['tokens_per_s']} | "
                 f"{s['latency_p50_s']} / {s['latency_p95_s']} s | "
                 f"{s['ttft_p50_s']} / {s['ttft_p95_s']} s |\n\n"
-                f"Server counters after the run: served {health['served']}, failed "
-                f"{health['failed']}, cancelled {health['cancelled']}, refused "
-                f"{health['refused']}. Latency includes the wait in the queue: with "
-                f"fewer slots than clients it grows with the number of clients; tokens/s is generated tokens over the wall time, which also "
-                f"pays for each request's prompt prefill (dev prompts up to 1,500 characters).\n")
+                f"{counters}Latency includes the wait in the queue: with fewer slots than "
+                f"clients it grows with the number of clients; tokens/s is generated tokens "
+                f"over the wall time, which also pays for each request's prompt prefill (dev "
+                f"prompts up to 1,500 characters).\n")
         print(body)
     if lost:
         sys.exit(f"error: {lost} requests lost")

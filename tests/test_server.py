@@ -366,13 +366,14 @@ def test_load_script_loses_nothing(small_model):
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
-    r = subprocess.run([sys.executable, str(script), str(small_model), "--clients", "2",
-                        "--seconds", "3", "--max-tokens", "8"],
-                       capture_output=True, text=True, timeout=180, env=ENV)
-    assert r.returncode == 0, r.stderr
-    s = json.loads(r.stdout)
-    assert s["sent"] >= 2 and s["completed"] == s["sent"] and s["lost"] == 0, s
-    assert s["server"]["served"] == s["sent"]
+    for slots in (1, 2):
+        r = subprocess.run([sys.executable, str(script), str(small_model), "--clients", "2",
+                            "--seconds", "3", "--max-tokens", "8", "--parallel", str(slots)],
+                           capture_output=True, text=True, timeout=180, env=ENV)
+        assert r.returncode == 0, r.stderr
+        s = json.loads(r.stdout)
+        assert s["sent"] >= 2 and s["completed"] == s["sent"] and s["lost"] == 0, s
+        assert s["server"]["served"] == s["sent"] and s["server"]["slots"] == slots
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
