@@ -39,6 +39,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """The server process's peak resident memory so far (Linux; None elsewhere): what the
+    run cost it, weights and KV cache included."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def start_peer(args) -> tuple[subprocess.Popen, str]:
     """llama-server (scripts/build_peers.py --server) on the same model, threads, slots
     (``-np``) and per-slot context; ready once /health answers 200."""
@@ -244,6 +256,7 @@ def main() -> None:
         wall = time.perf_counter() - t_start
         with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
             health = json.loads(r.read())
+        peak = peak_rss_mib(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -266,6 +279,7 @@ def main() -> None:
         "mean_tokens": round(statistics.mean([r["tokens"] for r in ok]), 1) if ok else 0,
         "health_p50_s": round(percentile([t for _, t in probes], 0.5), 3),
         "health_max_s": round(max([t for _, t in probes], default=float("nan")), 3),
+        "server_peak_rss_mib": peak,
         "server": health, "machine": describe(machine(default_threads())),
     }
     if args.hostile:

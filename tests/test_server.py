@@ -374,6 +374,8 @@ def test_load_script_loses_nothing(small_model):
         s = json.loads(r.stdout)
         assert s["sent"] >= 2 and s["completed"] == s["sent"] and s["lost"] == 0, s
         assert s["server"]["served"] == s["sent"] and s["server"]["slots"] == slots
+        if sys.platform == "linux":   # weights, KV cache and runtime: nowhere near 2 GiB
+            assert 0 < s["server_peak_rss_mib"] < 2048, s
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
