@@ -5,12 +5,13 @@ An exit pays only where the layers it skips outweigh what finding it costs: the 
 at each scheduled layer (a segment boundary, the candidates' logits, the predictor), the
 full head a firing layer computes for SpecEE's argmax check, the check of every exit (the
 exited position decoded again with its token: two rows where the next token had one), and
-what a staged decode costs over ``llama_decode``. On a 2-core CPU the draft's token alone costs about half a target
-token, more than exits in the last quarter of the layers can save, and early exit ran at
-0.6x plain there; where verification is cheap and layers dear it may pay. So the prices are
-measured here (seconds, once per target, draft and machine, cached with the cost tables),
-and a run probes only the layers whose expected saving exceeds their cost at the exit rates
-seen (the calibration's, then this answer's); with none, it decodes plainly.
+what a staged decode costs over ``llama_decode``. On a 2-core CPU the draft's token alone
+costs about two thirds of a target token and a check about another, more than exits in the
+last quarter of the layers can save; where a two-row batch costs little more than one row
+it may pay. So the prices are measured here (seconds, once per target, draft and machine,
+cached with the cost tables), and a run probes only the layers whose expected saving
+exceeds their cost at the exit rates seen (the calibration's, then this answer's); with
+none, it decodes plainly.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
     timings = {"prefill": clock() - t0}
     while True:
         yield Step(token=token, exit_layer=exit_layer, timings=timings,
-                   n_drafted=checked is not None, n_accept=bool(checked),
+                   n_drafted=int(checked is not None), n_accept=int(bool(checked)),
                    source="exit" if checked is not None else None)
         provider.accept(token)
         t0 = clock()
