@@ -59,6 +59,8 @@ def start_peer(args) -> tuple[subprocess.Popen, str]:
     from specee_cpp.config import N_CTX, default_threads
     from specee_cpp.engine.llm import resolve
 
+    if args.model is None:   # before a build of minutes
+        sys.exit("error: --peer needs the model named")
     r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "build_peers.py"),
                         "--server"], stdout=subprocess.PIPE, text=True)
     if r.returncode != 0:
@@ -68,8 +70,6 @@ def start_peer(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:   # a free port (llama-server takes no port 0)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    if args.model is None:
-        sys.exit("error: --peer needs the model named")
     threads = str(default_threads())
     cmd = [str(exe), "-m", str(resolve(args.model)), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(args.parallel), "-c", str(N_CTX * args.parallel), "-t", threads,

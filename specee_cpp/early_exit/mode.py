@@ -208,9 +208,8 @@ def priced(llm, opts: EEOptions) -> tuple[EEOptions, Any, str]:
 
 def describe_target(opts) -> str:
     """A benchmark table's words for the exit setting of ``opts`` (ee's or spec-ee's)."""
-    return ((f"threshold {opts.threshold}" if opts.threshold is not None
-             else f"max-exit-error {opts.max_exit_error}")
-            + (" --unsafe-exits" if getattr(opts, "unsafe", False) else ""))
+    return (f"threshold {opts.threshold}" if opts.threshold is not None
+            else f"max-exit-error {opts.max_exit_error}")
 
 
 class EarlyExit(Mode):

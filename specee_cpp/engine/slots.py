@@ -101,7 +101,6 @@ class SlotContext:
         self.model = ctx.model
         self.n_ctx = n_ctx
         self.n_batch = min(chunk, ctx.n_batch)   # a Sequence feeds longer prompts in chunks
-        self.what = f"slot {seq_id} of {ctx.what}"
         self._at, self._outputs = 0, []
 
     def decode(self, batch: Batch) -> None:

@@ -98,7 +98,7 @@ class SpecEE(Mode):
 
     def describe(self, opts) -> str:
         return (f"specee-cpp --mode spec-ee gamma {opts.gamma} {opts.rule} "
-                f"{describe_target(opts)}")
+                f"{describe_target(opts)}" + (" --unsafe-exits" if opts.unsafe else ""))
 
 
 register(SpecEE())
