@@ -3,7 +3,7 @@
 
     python scripts/bootstrap.py setup            # venv, patched wheel, package, crash probe, default models
     python scripts/bootstrap.py chat [ARGS...]   # set up, then `specee-cpp chat` on the default pair
-    python scripts/bootstrap.py test [ARGS...]   # set up (test model, llama.cpp peer tools), then pytest
+    python scripts/bootstrap.py test [ARGS...]   # set up (test model, peer tools, CPU variants), then pytest
 
 Every step is skipped when its result is already there: the patched wheel is cached under
 ``$SPECEE_CPP_HOME/wheels`` (see build_wheel.py), the package install is stamped with the
@@ -107,6 +107,10 @@ def main(argv: list[str]) -> int:
         tools = run([py, REPO / "scripts" / "build_peers.py"], stdout=subprocess.PIPE,
                     text=True).stdout.strip().splitlines()[-1]
         os.environ["SPECEE_CPP_TOOLS"] = tools
+        # the CPU backend for each lower x86 ISA this CPU runs, for the kernel checks
+        variants = run([py, REPO / "scripts" / "build_cpu_variants.py"],
+                       stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+        os.environ["SPECEE_CPP_CPU_VARIANTS"] = variants
         cmd = [py, "-m", "pytest", *(rest or ["-q", str(REPO / "tests")])]
     else:
         pull(["--pair", "default"])

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build (or reuse) llama.cpp's own speculative tools, the peers `specee-cpp bench` compares
 against: llama-speculative-simple (draft model and n-gram speculation), llama-lookup and
-llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache). With
+llama-lookup-create (prompt n-gram lookup, optionally with a static n-gram cache), and the
+kernel checks' unpatched reference (one_row_logits.c). With
 ``--server``, llama-server instead (the peer of ``specee-cpp serve`` in
 scripts/load_test.py), cached apart: only the load test needs it.
 
@@ -39,7 +40,11 @@ from build_wheel import (LLAMA_CPP_PYTHON_VERSION, PATCH_DIR, BuildError,  # noq
                          apply_patches, fetch_sdist, home_dir, log, print_built)
 from check_amx_codegen import check_file  # noqa: E402
 
-TARGETS = ["llama-speculative-simple", "llama-lookup", "llama-lookup-create"]
+# the exactness checks' reference (tests/kernel_checks.py): one-row logits from these
+# unpatched sources, built as one more example program
+REFERENCE = "specee-one-row-logits"
+REFERENCE_SOURCE = Path(__file__).resolve().parent / "one_row_logits.c"
+TARGETS = ["llama-speculative-simple", "llama-lookup", "llama-lookup-create", REFERENCE]
 SERVER = ["llama-server"]
 # what the peers get of ours: the AMX miscompilation fix, nothing that changes llama.cpp
 PATCHES = [PATCH_DIR / "0003-amx-tile-stores-and-switch.patch"]
@@ -72,11 +77,24 @@ def cache_key(args: list[str]) -> str:
     h = hashlib.sha256()
     h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}\n".encode())
     h.update(Path(__file__).read_bytes())
+    h.update(REFERENCE_SOURCE.read_bytes())
     for p in PATCHES:
         h.update(p.read_bytes())
     h.update(" ".join(args).encode())
     h.update(f"{sys.platform} {platform.machine()} {platform.processor()}".encode())
     return h.hexdigest()[:16]
+
+
+def add_reference(src: Path) -> None:
+    """The reference program as one more of the tree's examples (linked like them)."""
+    d = src / "examples" / REFERENCE
+    d.mkdir()
+    shutil.copy2(REFERENCE_SOURCE, d / REFERENCE_SOURCE.name)
+    (d / "CMakeLists.txt").write_text(
+        f"add_executable({REFERENCE} {REFERENCE_SOURCE.name})\n"
+        f"target_link_libraries({REFERENCE} PRIVATE llama)\n")
+    with open(src / "examples" / "CMakeLists.txt", "a") as fh:
+        fh.write(f"\nadd_subdirectory({REFERENCE})\n")
 
 
 def build(out_dir: Path, args: list[str], targets: list[str]) -> Path:
@@ -88,6 +106,7 @@ def build(out_dir: Path, args: list[str], targets: list[str]) -> Path:
             tar.extractall(work, members=members)
         src = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
         apply_patches(src, PATCHES)
+        add_reference(src)
         bld = work / "build"
         jobs = str(os.cpu_count() or 2)
         log(f"building {', '.join(targets)} (CMake options: {' '.join(args)}); "

@@ -13,6 +13,7 @@ reference.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -156,8 +157,27 @@ BATCH_ROWS = (2, 3, 4, 5, 9, 16)
 MAX_BATCH_ROWS = 70
 
 
+def system_info() -> None:
+    """The loaded library's ISA flags (which CPU backend a check ran on)."""
+    from specee_cpp.bindings import library_info
+
+    print(library_info()["system_info"])
+
+
+def unpatched_one_row_logits(reference: str, model: Path, n_ctx: int, prompt: list[int],
+                             nxt: list[int], n_vocab: int, directory: Path) -> np.ndarray:
+    """The logits of ``nxt`` decoded one at a time after ``prompt`` by ``reference``, the
+    program scripts/one_row_logits.c built from unpatched llama.cpp sources."""
+    out = directory / "unpatched-logits.f32"
+    r = subprocess.run([reference, str(model), str(n_ctx), ",".join(map(str, prompt)),
+                        ",".join(map(str, nxt)), str(out)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise AssertionError(f"{reference} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return np.fromfile(out, dtype=np.float32).reshape(len(nxt), n_vocab)
+
+
 def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "all",
-                     shape: str = "narrow", context: str = "8") -> None:
+                     shape: str = "narrow", context: str = "8", reference: str = "") -> None:
     """Each row of a batch of tokens (a verification) against the same token decoded alone:
     prints the largest |difference| of each batch size's rows (rows: comma-separated sizes,
     "a-b" a range, up to MAX_BATCH_ROWS, default BATCH_ROWS; part "tail": only the rows
@@ -170,7 +190,11 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     (0015; with AVX2 alone 32 rows a pass; with AVX-512 VNNI two strips of columns at
     once), in groups of up to 4 (9 = 4 + 3 + 2) where the limit leaves the rest to the
     gemm; on x86's Q6_K (0016) each weight row against up to 16 rows at once
-    (instead of a dot per pair or, from 8 rows, llama.cpp's tiled matmul)."""
+    (instead of a dot per pair or, from 8 rows, llama.cpp's tiled matmul).
+    With ``reference`` (the path of scripts/one_row_logits.c built from unpatched sources),
+    the one-at-a-time decodes themselves are first held to that build's, bit for bit: the
+    patched library replaces some one-row kernels too (Q6_K's on AVX-512), and a bug shared
+    by its one-row and its batched paths would otherwise pass."""
     sizes = []
     for part_ in (rows.split(",") if rows else [str(n) for n in BATCH_ROWS]):
         lo, _, hi = part_.partition("-")
@@ -183,19 +207,30 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     prompt = (PROMPT * (int(context) // len(PROMPT) + 1))[:int(context)]
     n_ctx = len(prompt) + MAX_BATCH_ROWS + 8
 
-    def read_prompt(ctx: Context) -> None:
-        # in batches of 16 in both contexts: the same kernels fill the same cache
-        for i in range(0, len(prompt), 16):
-            b.set(prompt[i:i + 16], i)
+    def read_prompt(ctx: Context, step: int = 16) -> None:
+        # in batches of 16 in both contexts, by default: the same kernels fill the same cache
+        for i in range(0, len(prompt), step):
+            b.set(prompt[i:i + step], i)
             ctx.decode(b)
 
     alone = Context(model, n_ctx=n_ctx, n_batch=16, n_threads=2)
-    read_prompt(alone)
+    # against the unpatched build, whose batches round differently, both read one at a time
+    read_prompt(alone, 1 if reference else 16)
     singles = []
     for i, t in enumerate(nxt):
         b.set([t], len(prompt) + i)
         alone.decode(b)
         singles.append(alone.logits(-1))
+    if reference:
+        theirs = unpatched_one_row_logits(reference, path, n_ctx, prompt, nxt,
+                                          len(singles[0]), Path(directory))
+        ours = np.stack(singles)
+        differ = np.flatnonzero(np.any(ours != theirs, axis=1))
+        if len(differ):
+            k = int(differ[0])
+            raise AssertionError(
+                f"{quant}: one-row decode {k} differs from the unpatched build's: max |diff| "
+                f"{float(np.max(np.abs(ours[k] - theirs[k]))):.4g}")
     diffs = []
     batched = Context(model, n_ctx=n_ctx, n_batch=MAX_BATCH_ROWS, n_threads=2)
     read_prompt(batched)

@@ -3,12 +3,15 @@ this machine runs: AVX2 alone, AVX-512 without VNNI (Skylake-class), AVX-512 VNN
 with GCC and with clang (macOS and Windows builds use clang; the test extra's ``ziglang``
 ships one where the system has none). A kernel that does not compile for one (an intrinsic
 outside its feature guard, a guard that names the wrong feature, a compiler-specific
-construct without a fallback) fails here on any x86 host; test_real_kernels.py runs the
-kernels of the ISA this host has. Also: the series checked against a llama.cpp checkout,
-as a rebase starts."""
+construct without a fallback) fails here on any x86 host. Then each lower ISA this CPU
+runs is run, not only compiled: the CPU backend built for it (scripts/build_cpu_variants.py)
+in place of the wheel's, under the exactness checks that test_real_kernels.py runs on the
+native one. Also: the AMX fused kernel's work split at several thread counts, and the
+series checked against a llama.cpp checkout, as a rebase starts."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import shutil
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 
 from scripts_path import load_script
 from test_amx import gcc_major, need_sdist
+from test_real_kernels import HERE, exact_then_upstream
 
 build_wheel = load_script("build_wheel")
 check_amx = load_script("check_amx_codegen")
@@ -120,6 +124,106 @@ def test_the_amx_kernels_store_their_tile_configuration(src, tmp_path, branch):
         return
     ok, msg = check_amx.check_file(out)
     assert ok, msg
+
+
+SPLIT_CHECK = r"""
+#include "amx/rows-split.h"
+#include <cstdio>
+#include <vector>
+// per line of stdin "n_batch M n_tiles nth": the items, how often each (batch, tile, row)
+// is covered (least, most), and whether every item takes whole row groups (or the rest)
+int main() {
+    int n_batch, M, n_tiles, nth;
+    while (std::scanf("%d %d %d %d", &n_batch, &M, &n_tiles, &nth) == 4) {
+        const vnni_rows_split split(n_batch, M, n_tiles, nth);
+        std::vector<int> seen((size_t) n_batch * n_tiles * M, 0);
+        bool whole = true;
+        for (int i = 0; i < split.items(); ++i) {
+            const vnni_rows_item it = split.item(i);
+            whole = whole && (it.rows % VNNI_ROWS_GROUP == 0 || it.row + it.rows == M);
+            for (int t = it.tile; t < it.tile + it.tiles; ++t)
+                for (int r = it.row; r < it.row + it.rows; ++r)
+                    ++seen[((size_t) it.batch * n_tiles + t) * M + r];
+        }
+        int lo = 1 << 30, hi = 0;
+        for (int v : seen) { lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
+        std::printf("%d %d %d %d %d %d\n", split.items(), lo, hi, (int) whole, split.tiles,
+                    split.rows);
+    }
+}
+"""
+
+
+def test_the_fused_amx_kernel_gives_every_thread_work(src, tmp_path):
+    # the fused rows path split a product over 64-column blocks only: a 256-wide K/V
+    # projection was 4 items, so 12 of 16 threads (60 of 64) idled through it
+    prog, exe = tmp_path / "split.cpp", tmp_path / "split"
+    prog.write_text(SPLIT_CHECK)
+    r = subprocess.run(["g++", "-std=c++17", "-O1", f"-I{src / 'ggml-cpu'}", str(prog), "-o",
+                        str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-1500:]
+    shapes = [(b, m, tiles, nth) for b in (1, 2) for tiles in (2, 16, 96, 560)
+              for m in (2, 4, 8, 9, 16, 33, 64, 128, 512) for nth in (2, 16, 64)]
+    out = subprocess.run([str(exe)], input="".join(f"{b} {m} {t} {n}\n" for b, m, t, n in shapes),
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    for (b, m, tiles, nth), line in zip(shapes, out):
+        items, lo, hi, whole, per_item_tiles, per_item_rows = map(int, line.split())
+        what = f"{b} x {m} rows x {tiles} tiles, {nth} threads"
+        assert lo == hi == 1, f"{what}: a piece of the product covered {lo}..{hi} times"
+        assert whole, f"{what}: an item splits a group of rows"
+        pieces = b * tiles * -(-m // 8)      # the smallest items: one tile, one group of rows
+        assert items >= min(nth, pieces), f"{what}: {items} items"
+        if b * -(-tiles // 4) >= nth:        # enough whole blocks: upstream's split stands
+            assert (per_item_tiles, per_item_rows) == (4, m), what
+    # the case above: 16 tiles (256 columns), a 64-row verification
+    assert out[shapes.index((1, 64, 16, 16))].split()[0] == "16"
+    assert out[shapes.index((1, 64, 16, 64))].split()[0] == "64"
+
+
+def variant_library_dir(variant: str, tmp_path: Path) -> Path:
+    """A copy of the installed wheel's libraries with the CPU backend built for ``variant``
+    (scripts/build_cpu_variants.py, run by set-up) in place of the native one."""
+    from specee_cpp.bindings import library_file
+
+    cpu_variants = load_script("build_cpu_variants")
+    if variant not in cpu_variants.runnable():
+        pytest.skip(f"this CPU does not run {variant}")
+    root = Path(os.environ.get("SPECEE_CPP_CPU_VARIANTS") or
+                build_wheel.home_dir() / "cpu-variants" / cpu_variants.cache_key())
+    built = root / variant / cpu_variants.LIBRARY
+    assert built.is_file(), f"{built} missing: set-up builds it (scripts/build_cpu_variants.py)"
+    lib = tmp_path / "lib"
+    shutil.copytree(library_file("llama").parent, lib, symlinks=False)
+    swapped = [p for p in lib.iterdir() if p.name.startswith(cpu_variants.LIBRARY)]
+    assert swapped, f"no {cpu_variants.LIBRARY}* beside libllama"
+    for p in swapped:   # every name the wheel ships it under (.so, .so.0, .so.0.x.y)
+        shutil.copyfile(built, p)
+    return lib
+
+
+def run_check(lib: Path, *args: str) -> str:
+    r = subprocess.run([sys.executable, str(HERE / "kernel_checks.py"), *args], cwd=HERE,
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib), SPECEE_CPP_AMX="0"))
+    assert r.returncode == 0, f"{args[0]} failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    return r.stdout.strip()
+
+
+@pytest.mark.parametrize("variant", ["AVX2", "AVX-512"])
+def test_the_kernels_of_each_isa_this_cpu_runs_are_exact(variant, tmp_path):
+    # the native wheel runs only this CPU's best ISA; the lower ones' kernels (AVX2's 32-row
+    # pass, AVX-512 without VNNI's Q6_K and repack paths) run here from their own builds:
+    # every verification size equals the one-token decode bit for bit, rows spanning 5-14
+    # super-blocks, past the 512 keys where upstream splits a one-token decode's attention
+    lib = variant_library_dir(variant, tmp_path)
+    info = run_check(lib, "system_info")
+    assert "AVX2 = 1" in info and "AVX512_VNNI = 1" not in info, info
+    assert ("AVX512 = 1" in info) == (variant == "AVX-512"), info
+    kdir = tmp_path / "models"
+    kdir.mkdir()
+    for quant in ("Q4_K", "Q6_K"):
+        exact_then_upstream(run_check(lib, "small_batch_rows", str(kdir), quant, "1-70", "all",
+                                      "wide", "600"))
 
 
 def test_check_tree_says_which_patch_does_not_apply(tmp_path):

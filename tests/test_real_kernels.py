@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from scripts_path import load_script
 
 from specee_cpp.bindings import library_file
 
@@ -111,6 +112,21 @@ def test_verification_batches_of_other_types_equal_one_row_decodes(kdir, monkeyp
     # Q8_0 through llama.cpp's own kernels): every verification size, past the key split
     monkeypatch.setenv("SPECEE_CPP_AMX", "0")
     assert child("small_batch_rows", str(kdir), quant, "1-64", "all", "wide", "600") == EXACT
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q6_K", "Q4_0", "IQ4_NL", "Q8_0"])
+def test_one_row_and_batched_decodes_equal_an_unpatched_build_s_one_row_decodes(kdir, quant):
+    # the unpatched reference is scripts/one_row_logits.c, built with the peers from the
+    # same sources (no kernel of ours); both libraries keep their default buffers (AMX where
+    # the CPU has it, else the repack), as users run them. 8 tokens of context: before
+    # upstream splits a one-token decode's keys over the threads (from 512; ours never do)
+    from specee_cpp.bench.peers import tools_dir
+
+    build_peers = load_script("build_peers")
+    reference = tools_dir() / build_peers.exe(build_peers.REFERENCE)
+    assert reference.is_file(), f"{reference} missing: set-up builds it with the peers"
+    assert child("small_batch_rows", str(kdir), quant, "1-64", "all", "wide", "8",
+                 str(reference)) == EXACT
 
 
 @pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Build (or reuse) the patched CPU backend, libggml-cpu, for each x86 instruction set below
+this CPU's that it can run: AVX2 alone, and AVX-512 without VNNI (Skylake-class).
+
+The wheel is built for the CPU it runs on (-march=native), so on an AVX-512 VNNI machine its
+AVX2 and plain AVX-512 kernels are compiled out and never run. tests/test_isa_matrix.py puts
+each library built here beside a copy of the wheel's other libraries
+(``LLAMA_CPP_LIB_PATH``) and runs the kernel exactness checks on it: every ISA the kernels
+have code for runs on a host that has it, not only the host's best.
+
+Same sources as the wheel (the pinned sdist with every patch applied), the ggml-cpu target
+alone, shared, Release, ``-DGGML_NATIVE=OFF`` with the variant's options. Cached under
+``<home>/cpu-variants/<key>/<variant>/``; the key hashes the version, this script, the
+patches, the platform and this CPU's features (which variants it runs). Prints the folder
+holding one subfolder per variant built on its last line of stdout (none on a CPU without
+AVX2, or not x86).
+
+Standard library only, like build_wheel.py, whose sdist and patch steps it shares.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_wheel import (LLAMA_CPP_PYTHON_VERSION, BuildError, cpu_features,  # noqa: E402
+                         home_dir, log, patch_files, patched_tree, print_built)
+
+# variant -> (CPU flags it needs, as /proc/cpuinfo spells them; its CMake options)
+AVX2_FLAGS = ["avx", "avx2", "fma", "f16c", "bmi2"]
+AVX2_OPTIONS = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
+                "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_INT8=OFF"]
+VARIANTS = {
+    "AVX2": (AVX2_FLAGS, AVX2_OPTIONS),
+    "AVX-512": (AVX2_FLAGS + ["avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"],
+                [o.replace("-DGGML_AVX512=OFF", "-DGGML_AVX512=ON") for o in AVX2_OPTIONS]),
+}
+COMMON_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF",
+                  "-DLLAMA_BUILD_COMMON=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
+                  "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF"]
+LIBRARY = {"win32": "ggml-cpu.dll", "darwin": "libggml-cpu.dylib"}.get(sys.platform,
+                                                                      "libggml-cpu.so")
+
+
+def runnable() -> list[str]:
+    """The variants this CPU can run (none off x86 or off Linux, where the flags are read)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or \
+            not sys.platform.startswith("linux"):
+        return []
+    have = set(cpu_features().split())
+    return [name for name, (flags, _) in VARIANTS.items() if have.issuperset(flags)]
+
+
+def cache_key() -> str:
+    h = hashlib.sha256()
+    h.update(f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}\n".encode())
+    h.update(Path(__file__).read_bytes())
+    for p in patch_files():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(f"{sys.platform} {platform.machine()} {' '.join(runnable())}".encode())
+    return h.hexdigest()[:16]
+
+
+def build(out_dir: Path, variants: list[str]) -> Path:
+    work = Path(tempfile.mkdtemp(prefix="specee-cpu-variants-"))
+    try:
+        src = patched_tree(work / "src")
+        staging = out_dir.with_name(out_dir.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        jobs = str(os.cpu_count() or 2)
+        for name in variants:
+            bld = work / f"build-{name}"
+            args = COMMON_OPTIONS + VARIANTS[name][1]
+            log(f"building libggml-cpu for {name} ({' '.join(VARIANTS[name][1])}); "
+                f"about 2-4 min on 2 cores")
+            t0 = time.time()
+            build_log = work / f"build-{name}.log"
+            with open(build_log, "w") as fh:
+                for cmd in (["cmake", "-S", str(src), "-B", str(bld), *args],
+                            ["cmake", "--build", str(bld), "--config", "Release", "-j", jobs,
+                             "--target", "ggml-cpu"]):
+                    r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+                    if r.returncode != 0:
+                        tail = build_log.read_text(errors="replace")[-6000:]
+                        raise BuildError(f"{cmd[0]} {cmd[1]} for {name} failed (exit "
+                                         f"{r.returncode}); last lines:\n{tail}")
+            found = [p for p in bld.rglob(LIBRARY) if p.is_file()]
+            if not found:
+                raise BuildError(f"{LIBRARY} not found under {bld} after the build")
+            (staging / name).mkdir()
+            shutil.copy2(found[0], staging / name / LIBRARY)
+            log(f"built {name} in {time.time() - t0:.0f} s")
+        (staging / "build.json").write_text(json.dumps({
+            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "variants": variants,
+            "patches": [p.name for p in patch_files()], "cmake_args": COMMON_OPTIONS,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(staging, out_dir)  # an interrupted build leaves no half-filled entry
+        return out_dir
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def cached_variants(force: bool = False) -> Path:
+    variants = runnable()
+    out_dir = home_dir() / "cpu-variants" / cache_key()
+    if not force and all((out_dir / v / LIBRARY).is_file() for v in variants) \
+            and out_dir.is_dir():
+        log(f"reusing the CPU backend variants in {out_dir}")
+        return out_dir
+    if not variants:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return out_dir
+    return build(out_dir, variants)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    ns = ap.parse_args()
+    return print_built(lambda: cached_variants(ns.force))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
