@@ -540,6 +540,12 @@ def test_humaneval_edit_prompts_and_scoring():
     broken = reply.replace("return", "return -1 +", 1)
     assert not passes(p.task, broken)
     assert not passes(p.task, "I would rename the variables.")
+    # refactoring requests: the same code and scoring, their own category, request and id
+    from specee_cpp.bench.prompts import REFACTORS
+    r = load("humaneval-refactor:2-3")
+    assert [q.id for q in r] == ["HumanEval/2:refactor", "HumanEval/3:refactor"]
+    assert r[1].category == "refactor" and r[1].text.startswith(REFACTORS[3])
+    assert r[0].prediction == p.prediction and r[0].task == p.task
 
 
 @pytest.mark.model

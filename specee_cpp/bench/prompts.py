@@ -103,18 +103,37 @@ EDITS = (
 )
 
 
-def load_humaneval_edit(tasks: str) -> list[BenchPrompt]:
+# Refactoring requests: the code's structure changes, its behaviour and the function's name
+# stay (the task's tests still apply); more of the reply is new than in an edit above.
+REFACTORS = (
+    "Refactor this code: move the body of its main loop into a helper function, keeping the "
+    "function's name, signature and behaviour.",
+    "Refactor this code to use comprehensions or generator expressions where they make it "
+    "clearer, keeping its behaviour.",
+    "Refactor this code to iterate directly (enumerate, zip, items) instead of by index where "
+    "it can, keeping its behaviour.",
+    "Refactor this code for readability: give long expressions and magic numbers named "
+    "variables, keeping its behaviour.",
+    "Refactor this code so that the function validates its arguments first and then does its "
+    "work in clearly separated steps, keeping its behaviour on valid input.",
+)
+
+
+def load_humaneval_edit(tasks: str, requests: tuple[str, ...] = EDITS,
+                        category: str = "code_edit", tag: str = "edit") -> list[BenchPrompt]:
     """HumanEval tasks ``lo-hi`` as code edits (chat): the task's prompt and canonical
-    solution, then one edit request from ``EDITS``; scored by the task's own tests run on
-    the edited code (``edited_program``)."""
+    solution, then one request from ``requests`` (task number modulo their count); scored by
+    the task's own tests run on the edited code (``edited_program``). Ids are
+    ``HumanEval/<n>:<tag>``."""
     out = []
     for p in load_humaneval(tasks):
         code = p.task["prompt"] + p.task["canonical_solution"]
-        edit = EDITS[int(p.id.split("/")[1]) % len(EDITS)]
+        edit = requests[int(p.id.split("/")[1]) % len(requests)]
         text = (f"{edit} Reply with the complete edited code in one Python code block.\n\n"
                 f"```python\n{code.rstrip()}\n```")
-        out.append(BenchPrompt(id=f"{p.id}:edit", category="code_edit", text=text, chat=True,
-                               task=dict(p.task, edit=True), prediction=code.strip() + "\n"))
+        out.append(BenchPrompt(id=f"{p.id}:{tag}", category=category, text=text,
+                               chat=True, task=dict(p.task, edit=True),
+                               prediction=code.strip() + "\n"))
     return out
 
 
@@ -199,9 +218,14 @@ def load_humaneval(tasks: str) -> list[BenchPrompt]:
                         stop=HUMANEVAL_STOP, task=problems[t]) for t in ids]
 
 
+# sources of HumanEval tasks (their own dev/held-out split by task number, no calibration
+# pool to exclude)
+HUMANEVAL_SOURCES = ("humaneval:", "humaneval-edit:", "humaneval-refactor:")
+
+
 def load(source: str) -> list[BenchPrompt]:
-    """``humaneval:LO-HI``, ``humaneval-edit:LO-HI`` (the original code as the prediction),
-    ``prose-edit:N`` (N dev articles; the article as the prediction) or the path of a
+    """``humaneval:LO-HI``, ``humaneval-edit:LO-HI`` and ``humaneval-refactor:LO-HI`` (the
+    original code as the prediction), ``prose-edit:N`` (N dev articles; the article as the prediction) or the path of a
     Spec-Bench style JSONL file."""
     if source.startswith("prose-edit:"):
         return load_prose_edit(source.split(":", 1)[1])
@@ -209,6 +233,8 @@ def load(source: str) -> list[BenchPrompt]:
         return load_humaneval(source.split(":", 1)[1])
     if source.startswith("humaneval-edit:"):
         return load_humaneval_edit(source.split(":", 1)[1])
+    if source.startswith("humaneval-refactor:"):
+        return load_humaneval_edit(source.split(":", 1)[1], REFACTORS, "refactor", "refactor")
     return load_spec_bench(Path(source))
 
 

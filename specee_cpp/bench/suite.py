@@ -19,7 +19,7 @@ from .report import markdown, summarize, write_json, write_png
 class BenchOptions:
     model: str
     draft: str | None = None
-    prompts: str = str(prompts_mod.DEV_PROMPTS)   # JSONL path, humaneval(-edit):LO-HI
+    prompts: str = str(prompts_mod.DEV_PROMPTS)   # JSONL path, humaneval(-edit|-refactor):LO-HI
     configs: str = "quick"
     per_category: int = 3
     max_tokens: int = 64
@@ -71,7 +71,7 @@ _FLAGS = {"draft": "--draft", "prompts": "--prompts", "configs": "--configs",
 def select_prompts(opts: BenchOptions) -> list[prompts_mod.BenchPrompt]:
     all_p = prompts_mod.load(opts.prompts)
     exclude = set()
-    if not opts.prompts.startswith(("humaneval:", "humaneval-edit:")) and opts.exclude_calibration:
+    if not opts.prompts.startswith(prompts_mod.HUMANEVAL_SOURCES) and opts.exclude_calibration:
         exclude = {p.id for p in prompts_mod.fitting_pool(all_p, opts.exclude_calibration)}
     chosen = prompts_mod.per_category(all_p, opts.per_category, exclude)
     if opts.categories:

@@ -283,7 +283,8 @@ def bench(
     prompts: str = typer.Option(str(DEV_PROMPTS), "--prompts",
                                 help="Spec-Bench style JSONL file, humaneval:LO-HI (completions), "
                                      "humaneval-edit:LO-HI (code edits, chat; the original code is "
-                                     "their prediction) or prose-edit:N (edits of N dev "
+                                     "their prediction), humaneval-refactor:LO-HI (refactoring "
+                                     "requests, likewise) or prose-edit:N (edits of N dev "
                                      "articles; the article is the prediction)."),
     configs: str = typer.Option("quick", "--configs",
                                 help="Comma-separated configurations or groups (quick, peers, "
