@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
-"""Build (or reuse) the patched CPU backend, libggml-cpu, for each x86 instruction set below
-this CPU's that it can run: AVX2 alone, and AVX-512 without VNNI (Skylake-class).
+"""Build (or reuse) the patched library as the wheel does not: the CPU backend, libggml-cpu,
+for each x86 instruction set below this CPU's that it can run (AVX2 alone, and AVX-512
+without VNNI, Skylake-class), and the whole library compiled by clang.
 
-The wheel is built for the CPU it runs on (-march=native), so on an AVX-512 VNNI machine its
-AVX2 and plain AVX-512 kernels are compiled out and never run. tests/test_isa_matrix.py puts
-each library built here beside a copy of the wheel's other libraries
-(``LLAMA_CPP_LIB_PATH``) and runs the kernel exactness checks on it: every ISA the kernels
-have code for runs on a host that has it, not only the host's best.
+The wheel is built for the CPU it runs on (-march=native) by the system's compiler (GCC on
+Linux), so on an AVX-512 VNNI machine its AVX2 and plain AVX-512 kernels are compiled out and
+never run, and clang (macOS, Windows builds) never compiles it. tests/test_isa_matrix.py
+puts each build made here in place of the wheel's libraries (``LLAMA_CPP_LIB_PATH``) and
+runs the kernel exactness checks on it.
 
-Same sources as the wheel (the pinned sdist with every patch applied), the ggml-cpu target
-alone, shared, Release, ``-DGGML_NATIVE=OFF`` with the variant's options. Cached under
-``<home>/cpu-variants/<key>/<variant>/``; the key hashes the version, this script, the
-patches, the platform and this CPU's features (which variants it runs). Prints the folder
-holding one subfolder per variant built on its last line of stdout (none on a CPU without
-AVX2, or not x86).
+Same sources as the wheel (the pinned sdist with every patch applied), shared, Release. An
+ISA variant is the ggml-cpu target alone, ``-DGGML_NATIVE=OFF`` with the variant's options;
+the clang build is the llama target (with every ggml library it links), native, without
+OpenMP (zig's clang has none), by the system's clang or the ``ziglang`` package's. Cached
+under ``<home>/cpu-variants/<key>/<variant>/``; the key hashes the version, this script, the
+patches, the platform, this CPU's features (which variants it runs) and the clang found.
+Prints the folder holding one subfolder per variant built on its last line of stdout.
 
 Standard library only, like build_wheel.py, whose sdist and patch steps it shares.
 """
@@ -53,13 +55,38 @@ LIBRARY = {"win32": "ggml-cpu.dll", "darwin": "libggml-cpu.dylib"}.get(sys.platf
                                                                       "libggml-cpu.so")
 
 
+CLANG = "clang"
+CLANG_OPTIONS = ["-DGGML_OPENMP=OFF", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
+
+
 def runnable() -> list[str]:
-    """The variants this CPU can run (none off x86 or off Linux, where the flags are read)."""
+    """The ISA variants this CPU can run (none off x86 or off Linux, where the flags are
+    read)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or \
             not sys.platform.startswith("linux"):
         return []
     have = set(cpu_features().split())
     return [name for name, (flags, _) in VARIANTS.items() if have.issuperset(flags)]
+
+
+def clang() -> list[str] | None:
+    """The C and C++ compiler commands of a clang (the system's, else the ``ziglang``
+    package's), or None. Linux only: the checks swap shared libraries by their .so names."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if shutil.which("clang") and shutil.which("clang++"):
+        return [shutil.which("clang"), shutil.which("clang++")]
+    import importlib.util
+    spec = importlib.util.find_spec("ziglang")
+    if spec is None or spec.origin is None:
+        return None
+    zig = Path(spec.origin).parent / "zig"
+    return [f"{zig} cc", f"{zig} c++"] if zig.is_file() else None
+
+
+def planned() -> list[str]:
+    """What this machine builds: its runnable ISA variants, and clang's where one is here."""
+    return runnable() + ([CLANG] if clang() else [])
 
 
 def cache_key() -> str:
@@ -69,6 +96,7 @@ def cache_key() -> str:
     for p in patch_files():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(f"{sys.platform} {platform.machine()} {' '.join(runnable())}".encode())
+    h.update(f"{clang()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -82,29 +110,45 @@ def build(out_dir: Path, variants: list[str]) -> Path:
         jobs = str(os.cpu_count() or 2)
         for name in variants:
             bld = work / f"build-{name}"
-            args = COMMON_OPTIONS + VARIANTS[name][1]
-            log(f"building libggml-cpu for {name} ({' '.join(VARIANTS[name][1])}); "
-                f"about 2-4 min on 2 cores")
+            env = dict(os.environ)
+            if name == CLANG:
+                args, target = COMMON_OPTIONS + CLANG_OPTIONS, "llama"
+                env["CC"], env["CXX"] = clang()
+                log(f"building the library with clang ({env['CC']}); about 5-8 min on 2 "
+                    f"cores")
+            else:
+                args, target = COMMON_OPTIONS + VARIANTS[name][1], "ggml-cpu"
+                log(f"building libggml-cpu for {name} ({' '.join(VARIANTS[name][1])}); "
+                    f"about 1 min on 2 cores")
             t0 = time.time()
             build_log = work / f"build-{name}.log"
             with open(build_log, "w") as fh:
                 for cmd in (["cmake", "-S", str(src), "-B", str(bld), *args],
                             ["cmake", "--build", str(bld), "--config", "Release", "-j", jobs,
-                             "--target", "ggml-cpu"]):
-                    r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+                             "--target", target]):
+                    r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
                     if r.returncode != 0:
                         tail = build_log.read_text(errors="replace")[-6000:]
                         raise BuildError(f"{cmd[0]} {cmd[1]} for {name} failed (exit "
                                          f"{r.returncode}); last lines:\n{tail}")
-            found = [p for p in bld.rglob(LIBRARY) if p.is_file()]
+            wanted = "lib*.so*" if name == CLANG else LIBRARY
+            found = sorted(p for p in bld.rglob(wanted) if p.is_file())
             if not found:
-                raise BuildError(f"{LIBRARY} not found under {bld} after the build")
+                raise BuildError(f"{wanted} not found under {bld} after the build")
             (staging / name).mkdir()
-            shutil.copy2(found[0], staging / name / LIBRARY)
+            if name == CLANG:   # each library once, its other names linked to it
+                for p in found:
+                    if p.is_symlink():
+                        os.symlink(os.readlink(p), staging / name / p.name)
+                    else:
+                        shutil.copy2(p, staging / name / p.name)
+            else:
+                shutil.copy2(found[0], staging / name / LIBRARY)
             log(f"built {name} in {time.time() - t0:.0f} s")
         (staging / "build.json").write_text(json.dumps({
             "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "variants": variants,
             "patches": [p.name for p in patch_files()], "cmake_args": COMMON_OPTIONS,
+            "clang": clang(),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(staging, out_dir)  # an interrupted build leaves no half-filled entry
@@ -114,10 +158,9 @@ def build(out_dir: Path, variants: list[str]) -> Path:
 
 
 def cached_variants(force: bool = False) -> Path:
-    variants = runnable()
+    variants = planned()
     out_dir = home_dir() / "cpu-variants" / cache_key()
-    if not force and all((out_dir / v / LIBRARY).is_file() for v in variants) \
-            and out_dir.is_dir():
+    if not force and (out_dir / "build.json").is_file():
         log(f"reusing the CPU backend variants in {out_dir}")
         return out_dir
     if not variants:

@@ -1,13 +1,15 @@
 """Load figure for `specee-cpp serve`: N concurrent OpenAI clients for a fixed time, local only.
 
-Starts the server (a free local port), lets each client send streamed chat requests with dev
-prompts back to back until the time is up (requests already sent are waited for), and reports
+Starts the server (a free local port), lets each client send streamed chat requests (dev
+prompts, or with ``--traffic code-edit`` edits of held-out HumanEval functions) back to back
+until the time is up (requests already sent are waited for), and reports
 requests completed, refused and lost, latency and time to first token (p50/p95), and the
 server's own counters, as JSON and, with ``--markdown``, as a table with the command that
 made it.
 
     python scripts/load_test.py --clients 4 --seconds 60 [--markdown]
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --seconds 60
+    python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --traffic code-edit --peer
     python scripts/load_test.py --clients 8 --seconds 60 --hostile   # second half under attack
 
 ``--hostile``: for the second half of the run, another process opens 1,000 connections that
@@ -164,6 +166,10 @@ def main() -> None:
     ap.add_argument("--peer-args", help="more llama-server flags, e.g. '--spec-type ngram-mod'")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--traffic", choices=("chat", "code-edit"), default="chat",
+                    help="chat: Spec-Bench dev first turns (up to 1,500 characters); "
+                         "code-edit: edit requests over held-out HumanEval tasks 82-163, "
+                         "each with its whole function (humaneval-edit)")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     ap.add_argument("--hostile", action="store_true",
                     help="second half: a 10 MB body again and again, 1,000 partial requests")
@@ -178,7 +184,11 @@ def main() -> None:
     from specee_cpp.provenance import describe, machine
     from specee_cpp.records import records
 
-    prompts = [r["turns"][0] for r in records(DEV_PROMPTS)]
+    if args.traffic == "code-edit":
+        from specee_cpp.bench.prompts import load_humaneval_edit
+        prompts = [p.text for p in load_humaneval_edit("82-163")]
+    else:   # keep prompts short: a chat turn
+        prompts = [r["turns"][0][:1500] for r in records(DEV_PROMPTS)]
     server, url = start_peer(args) if args.peer else start_server(args)
     results: list[dict] = []
     lock = threading.Lock()
@@ -193,7 +203,7 @@ def main() -> None:
                     # the hostile half replays the calm half's prompts in the same order, so
                     # that each request can be set against its twin
                     k, seq, half = i, 0, True
-                prompt = prompts[k % len(prompts)][:1500]   # keep prompts short: a chat turn
+                prompt = prompts[k % len(prompts)]
                 k += args.clients
                 seq += 1
                 t0 = time.perf_counter()
@@ -268,7 +278,7 @@ def main() -> None:
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     summary = {
         "clients": args.clients, "parallel": args.parallel, "seconds": args.seconds,
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens, "traffic": args.traffic,
         "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,
         "wall_s": round(wall, 1), "requests_per_s": round(len(ok) / wall, 3),
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
@@ -307,14 +317,16 @@ def main() -> None:
                   f"`specee-cpp serve` on {health['model']} (mode {health['mode']}), "
                   + (f"{args.parallel} requests at a time in one batch a step"
                      if args.parallel > 1 else "one request at a time"))
+        what = ("code edits of HumanEval tasks 82-163" if args.traffic == "code-edit" else
+                "Spec-Bench dev prompts, up to 1,500 characters")
         counters = ("" if args.peer else
                     f"Server counters after the run: served {health['served']}, failed "
                     f"{health['failed']}, cancelled {health['cancelled']}, refused "
                     f"{health['refused']}. ")
         body = (f"Command: `{cmd}`\n\n"
                 f"Machine: {s['machine']}. Server: {served}, from a bounded queue; "
-                f"{s['clients']} clients each send streamed chat requests (Spec-Bench dev "
-                f"prompts, greedy, max_tokens {s['max_tokens']}) back to back for "
+                f"{s['clients']} clients each send streamed chat requests ({what}, greedy, "
+                f"max_tokens {s['max_tokens']}) back to back for "
                 f"{s['seconds']:.0f} s; requests already sent are waited for.\n\n"
                 "| clients | sent | completed | refused (429) | lost | req/s | tokens/s "
                 "| latency p50 / p95 | first token p50 / p95 |\n"
@@ -325,8 +337,7 @@ def main() -> None:
                 f"{s['ttft_p50_s']} / {s['ttft_p95_s']} s |\n\n"
                 f"{counters}Latency includes the wait in the queue: with fewer slots than "
                 f"clients it grows with the number of clients; tokens/s is generated tokens "
-                f"over the wall time, which also pays for each request's prompt prefill (dev "
-                f"prompts up to 1,500 characters).\n")
+                f"over the wall time, which also pays for each request's prompt prefill.\n")
         print(body)
     if lost:
         sys.exit(f"error: {lost} requests lost")

@@ -180,6 +180,12 @@ def test_the_fused_amx_kernel_gives_every_thread_work(src, tmp_path):
     assert out[shapes.index((1, 64, 16, 64))].split()[0] == "64"
 
 
+def variants_root(cpu_variants) -> Path:
+    """Where set-up put the builds of scripts/build_cpu_variants.py."""
+    return Path(os.environ.get("SPECEE_CPP_CPU_VARIANTS") or
+                build_wheel.home_dir() / "cpu-variants" / cpu_variants.cache_key())
+
+
 def variant_library_dir(variant: str, tmp_path: Path) -> Path:
     """A copy of the installed wheel's libraries with the CPU backend built for ``variant``
     (scripts/build_cpu_variants.py, run by set-up) in place of the native one."""
@@ -188,9 +194,7 @@ def variant_library_dir(variant: str, tmp_path: Path) -> Path:
     cpu_variants = load_script("build_cpu_variants")
     if variant not in cpu_variants.runnable():
         pytest.skip(f"this CPU does not run {variant}")
-    root = Path(os.environ.get("SPECEE_CPP_CPU_VARIANTS") or
-                build_wheel.home_dir() / "cpu-variants" / cpu_variants.cache_key())
-    built = root / variant / cpu_variants.LIBRARY
+    built = variants_root(cpu_variants) / variant / cpu_variants.LIBRARY
     assert built.is_file(), f"{built} missing: set-up builds it (scripts/build_cpu_variants.py)"
     lib = tmp_path / "lib"
     shutil.copytree(library_file("llama").parent, lib, symlinks=False)
@@ -224,6 +228,23 @@ def test_the_kernels_of_each_isa_this_cpu_runs_are_exact(variant, tmp_path):
     for quant in ("Q4_K", "Q6_K"):
         exact_then_upstream(run_check(lib, "small_batch_rows", str(kdir), quant, "1-70", "all",
                                       "wide", "600"))
+
+
+def test_the_library_built_by_clang_is_exact(tmp_path):
+    # macOS and Windows builds use clang; set-up builds the whole patched library with it
+    # (the system's, or the test extra's ziglang) and the exactness checks run on that build
+    cpu_variants = load_script("build_cpu_variants")
+    if cpu_variants.clang() is None:
+        pytest.skip("no clang here (Linux only)")
+    built = variants_root(cpu_variants) / cpu_variants.CLANG
+    assert (built / "libllama.so").is_file(), \
+        f"{built} has no libllama.so: set-up builds it (scripts/build_cpu_variants.py)"
+    assert b"clang version" in (built / "libllama.so").read_bytes()
+    kdir = tmp_path / "models"
+    kdir.mkdir()
+    for quant in ("Q4_K", "Q6_K"):
+        exact_then_upstream(run_check(built, "small_batch_rows", str(kdir), quant, "1-70",
+                                      "all", "wide", "600"))
 
 
 def test_check_tree_says_which_patch_does_not_apply(tmp_path):

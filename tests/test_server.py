@@ -366,13 +366,15 @@ def test_load_script_loses_nothing(small_model):
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
-    for slots in (1, 2):
+    for slots, traffic in ((1, "chat"), (2, "code-edit")):
         r = subprocess.run([sys.executable, str(script), str(small_model), "--clients", "2",
-                            "--seconds", "3", "--max-tokens", "8", "--parallel", str(slots)],
+                            "--seconds", "3", "--max-tokens", "8", "--parallel", str(slots),
+                            "--traffic", traffic],
                            capture_output=True, text=True, timeout=180, env=ENV)
         assert r.returncode == 0, r.stderr
         s = json.loads(r.stdout)
         assert s["sent"] >= 2 and s["completed"] == s["sent"] and s["lost"] == 0, s
+        assert s["traffic"] == traffic
         assert s["server"]["served"] == s["sent"] and s["server"]["slots"] == slots
         if sys.platform == "linux":   # weights, KV cache and runtime: nowhere near 2 GiB
             assert 0 < s["server_peak_rss_mib"] < 2048, s
