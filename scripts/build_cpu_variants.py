@@ -56,7 +56,9 @@ LIBRARY = {"win32": "ggml-cpu.dll", "darwin": "libggml-cpu.dylib"}.get(sys.platf
 
 
 CLANG = "clang"
-CLANG_OPTIONS = ["-DGGML_OPENMP=OFF", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
+# native, as the wheel is (COMMON_OPTIONS' GGML_NATIVE=OFF would make it an AVX2 build)
+CLANG_OPTIONS = [o for o in COMMON_OPTIONS if not o.startswith("-DGGML_NATIVE=")] + [
+    "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
 
 
 def runnable() -> list[str]:
@@ -84,6 +86,16 @@ def clang() -> list[str] | None:
     return [f"{zig} cc", f"{zig} c++"] if zig.is_file() else None
 
 
+def clang_version() -> str:
+    """The clang's own version line ("" without one): what the cache key holds of it, so
+    that the same clang found at another path (another checkout's venv) reuses the build."""
+    cc = clang()
+    if cc is None:
+        return ""
+    r = subprocess.run([*cc[0].split(" "), "--version"], capture_output=True, text=True)
+    return (r.stdout.splitlines() or [""])[0]
+
+
 def planned() -> list[str]:
     """What this machine builds: its runnable ISA variants, and clang's where one is here."""
     return runnable() + ([CLANG] if clang() else [])
@@ -96,7 +108,7 @@ def cache_key() -> str:
     for p in patch_files():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(f"{sys.platform} {platform.machine()} {' '.join(runnable())}".encode())
-    h.update(f"{clang()}".encode())
+    h.update(clang_version().encode())
     return h.hexdigest()[:16]
 
 
@@ -112,7 +124,7 @@ def build(out_dir: Path, variants: list[str]) -> Path:
             bld = work / f"build-{name}"
             env = dict(os.environ)
             if name == CLANG:
-                args, target = COMMON_OPTIONS + CLANG_OPTIONS, "llama"
+                args, target = CLANG_OPTIONS, "llama"
                 env["CC"], env["CXX"] = clang()
                 log(f"building the library with clang ({env['CC']}); about 5-8 min on 2 "
                     f"cores")
@@ -148,7 +160,7 @@ def build(out_dir: Path, variants: list[str]) -> Path:
         (staging / "build.json").write_text(json.dumps({
             "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "variants": variants,
             "patches": [p.name for p in patch_files()], "cmake_args": COMMON_OPTIONS,
-            "clang": clang(),
+            "clang": clang(), "clang_cmake_args": CLANG_OPTIONS,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(staging, out_dir)  # an interrupted build leaves no half-filled entry

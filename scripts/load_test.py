@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -76,7 +77,9 @@ def start_peer(args) -> tuple[subprocess.Popen, str]:
     cmd = [str(exe), "-m", str(resolve(args.model)), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(args.parallel), "-c", str(N_CTX * args.parallel), "-t", threads,
            "-tb", threads, "--no-webui"] + (args.peer_args.split() if args.peer_args else [])
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its log to a file: a pipe nobody reads during the run would fill and stall the server
+    log = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -86,7 +89,8 @@ def start_peer(args) -> tuple[subprocess.Popen, str]:
         except (urllib.error.URLError, OSError):
             pass
         if p.poll() is not None:
-            sys.exit(f"error: llama-server exited ({p.stderr.read()[-2000:]})")
+            log.seek(0)
+            sys.exit(f"error: llama-server exited ({log.read()[-2000:]})")
         time.sleep(0.5)
     p.kill()
     sys.exit("error: llama-server did not become ready in 5 minutes")

@@ -240,6 +240,15 @@ def test_the_library_built_by_clang_is_exact(tmp_path):
     assert (built / "libllama.so").is_file(), \
         f"{built} has no libllama.so: set-up builds it (scripts/build_cpu_variants.py)"
     assert b"clang version" in (built / "libllama.so").read_bytes()
+    # native like the wheel: the same instruction sets on
+    from specee_cpp.bindings import library_info
+
+    def isa(info: str) -> set[str]:
+        return {f.split(" = ")[0] for f in info.split(" | ") if f.endswith(" = 1") and
+                f.split(" = ")[0] in ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI",
+                                      "AVX512", "AVX512_VNNI", "AVX512_VBMI", "AMX_INT8")}
+    wheel = isa(library_info()["system_info"].replace("CPU : ", ""))
+    assert wheel and isa(run_check(built, "system_info").replace("CPU : ", "")) == wheel
     kdir = tmp_path / "models"
     kdir.mkdir()
     for quant in ("Q4_K", "Q6_K"):
