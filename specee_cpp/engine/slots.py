@@ -8,7 +8,10 @@ as soon as every slot in use is waiting on it, with every waiting slot's rows (i
 order, as many as one batch holds), so the slots advance together, a step of four clients
 costing about what a small verification batch costs. A slot's long prompt is fed in chunks of
 ``SLOT_CHUNK`` rows, one per step, so it shares each step with the others' tokens instead of
-stalling them; a step holds at most ``SLOT_STEP`` rows (config.py says why).
+stalling them; a step holds at most ``SLOT_STEP`` rows (config.py says why). Those chunks go
+through the row kernels, a whole prompt read alone (more than 64 rows a batch) through the
+kernels measured fastest for prompts: the two round differently, so past 64 prompt tokens a
+slot's answer may part from the request's answer alone at a near tie.
 
 Between two steps no decode runs: that is when each slot reads its outputs and cuts its
 cache, one slot at a time (``SharedDecoder.lock``: llama.cpp's reads and cache edits are not
