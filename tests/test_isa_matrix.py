@@ -23,7 +23,7 @@ import pytest
 
 from scripts_path import load_script
 from test_amx import gcc_major, need_sdist
-from test_real_kernels import HERE, exact_then_upstream
+from test_real_kernels import child, exact_then_upstream
 
 build_wheel = load_script("build_wheel")
 check_amx = load_script("check_amx_codegen")
@@ -206,11 +206,9 @@ def variant_library_dir(variant: str, tmp_path: Path) -> Path:
 
 
 def run_check(lib: Path, *args: str) -> str:
-    r = subprocess.run([sys.executable, str(HERE / "kernel_checks.py"), *args], cwd=HERE,
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib), SPECEE_CPP_AMX="0"))
-    assert r.returncode == 0, f"{args[0]} failed ({r.returncode}):\n{r.stderr[-3000:]}"
-    return r.stdout.strip()
+    """A kernel check on the libraries in ``lib`` instead of the wheel's."""
+    return child(*args, timeout=600,
+                 env={"LLAMA_CPP_LIB_PATH": str(lib), "SPECEE_CPP_AMX": "0"})
 
 
 @pytest.mark.parametrize("variant", ["AVX2", "AVX-512"])

@@ -24,10 +24,13 @@ def kdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kernels")
 
 
-def child(*args: str, timeout: float = 300) -> str:
+def child(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> str:
+    """kernel_checks.py ARGS in a child process (``env``: variables set for it), its
+    stdout; a crash fails the test with its signal."""
+    base = {k: v for k, v in os.environ.items() if k != "RK_EXTRA"}
     r = subprocess.run([sys.executable, str(HERE / "kernel_checks.py"), *args], cwd=HERE,
                        capture_output=True, text=True, timeout=timeout,
-                       env={k: v for k, v in os.environ.items() if k != "RK_EXTRA"})
+                       env=dict(base, **(env or {})))
     if r.returncode < 0:
         pytest.fail(f"{args[0]} died with {signal.Signals(-r.returncode).name}:\n"
                     f"{r.stderr[-3000:]}")
