@@ -10,6 +10,8 @@ made it.
     python scripts/load_test.py --clients 4 --seconds 60 [--markdown]
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --seconds 60
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --traffic code-edit --peer
+    python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --mode spec \
+        --traffic code-edit --prediction
     python scripts/load_test.py --clients 8 --seconds 60 --hostile   # second half under attack
 
 ``--hostile``: for the second half of the run, another process opens 1,000 connections that
@@ -174,6 +176,9 @@ def main() -> None:
                     help="chat: Spec-Bench dev first turns (up to 1,500 characters); "
                          "code-edit: edit requests over held-out HumanEval tasks 82-163, "
                          "each with its whole function (humaneval-edit)")
+    ap.add_argument("--prediction", action="store_true",
+                    help="code-edit: send each request's function as its OpenAI "
+                         "`prediction` (llama-server has no such field: --peer sends none)")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     ap.add_argument("--hostile", action="store_true",
                     help="second half: a 10 MB body again and again, 1,000 partial requests")
@@ -188,11 +193,13 @@ def main() -> None:
     from specee_cpp.provenance import describe, machine
     from specee_cpp.records import records
 
+    if args.prediction and (args.traffic != "code-edit" or args.peer):
+        sys.exit("error: --prediction goes with --traffic code-edit, on our server")
     if args.traffic == "code-edit":
         from specee_cpp.bench.prompts import load_humaneval_edit
-        prompts = [p.text for p in load_humaneval_edit("82-163")]
+        prompts = [(p.text, p.prediction) for p in load_humaneval_edit("82-163")]
     else:   # keep prompts short: a chat turn
-        prompts = [r["turns"][0][:1500] for r in records(DEV_PROMPTS)]
+        prompts = [(r["turns"][0][:1500], "") for r in records(DEV_PROMPTS)]
     server, url = start_peer(args) if args.peer else start_server(args)
     results: list[dict] = []
     lock = threading.Lock()
@@ -207,7 +214,9 @@ def main() -> None:
                     # the hostile half replays the calm half's prompts in the same order, so
                     # that each request can be set against its twin
                     k, seq, half = i, 0, True
-                prompt = prompts[k % len(prompts)]
+                prompt, predicted = prompts[k % len(prompts)]
+                extra = ({"prediction": {"type": "content", "content": predicted}}
+                         if args.prediction else {})
                 k += args.clients
                 seq += 1
                 t0 = time.perf_counter()
@@ -216,7 +225,7 @@ def main() -> None:
                     stream = c.chat.completions.create(
                         model="m", messages=[{"role": "user", "content": prompt}],
                         max_tokens=args.max_tokens, temperature=0, stream=True,
-                        stream_options={"include_usage": True})
+                        stream_options={"include_usage": True}, **extra)
                     pieces = 0
                     for chunk in stream:
                         if chunk.choices and chunk.choices[0].delta.content:
@@ -225,6 +234,10 @@ def main() -> None:
                                 rec["ttft"] = time.perf_counter() - t0
                         if chunk.usage is not None:
                             rec["tokens"] = chunk.usage.completion_tokens
+                            d = chunk.usage.completion_tokens_details
+                            if args.prediction and d is not None:
+                                rec["predicted"] = (d.accepted_prediction_tokens or 0,
+                                                    d.rejected_prediction_tokens or 0)
                     # a server that reports no usage: its streamed pieces, a token each
                     rec["tokens"] = rec["tokens"] or pieces
                     rec["ok"] = True
@@ -283,6 +296,7 @@ def main() -> None:
     summary = {
         "clients": args.clients, "parallel": args.parallel, "seconds": args.seconds,
         "max_tokens": args.max_tokens, "traffic": args.traffic,
+        "prediction": args.prediction,
         "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,
         "wall_s": round(wall, 1), "requests_per_s": round(len(ok) / wall, 3),
         "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2),
@@ -294,6 +308,9 @@ def main() -> None:
         "health_p50_s": round(percentile([t for _, t in probes], 0.5), 3),
         "health_max_s": round(max([t for _, t in probes], default=float("nan")), 3),
         "server_peak_rss_mib": peak,
+        "prediction_tokens_accepted_rejected": (
+            [sum(r.get("predicted", (0, 0))[j] for r in ok) for j in (0, 1)]
+            if args.prediction else None),
         "server": health, "machine": describe(machine(default_threads())),
     }
     if args.hostile:

@@ -33,7 +33,8 @@ FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and be
 # the server's slots (engine/slots.py): a step decodes at most SLOT_STEP rows, every waiting
 # slot's together, and a slot's prompt goes in chunks of SLOT_CHUNK. Both within the batch
 # sizes a verification takes, whose rows decode bit for bit as they do in any other batch of
-# those sizes: a slot's greedy output does not depend on what the other slots decode
+# those sizes: a slot's greedy output does not depend on what the other slots decode; and a
+# slot's longest verification (a context draft's) fits one step
 SLOT_STEP = MAX_FREE_VERIFY
 SLOT_CHUNK = 32
 

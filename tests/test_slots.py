@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from specee_cpp.config import LoadConfig
@@ -32,16 +33,22 @@ def alone(small_model):
         return [llm.generate(p, max_tokens=N) for p in PROMPTS]
 
 
-def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None):
+def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None, stats=None,
+         **kw):
     """A slot thread: generate ``prompt`` on ``view`` (after ``wait`` is set), recording its
-    tokens; ``stop_after``: close the stream after that many (a client that left)."""
+    tokens (and in ``stats`` the last step's statistics); ``stop_after``: close the stream
+    after that many (a client that left); ``kw``: the mode and prediction."""
     if wait is not None:
         wait.wait()
     decoder.enter()
     try:
-        steps = view.stream(prompt, max_tokens=N)
+        steps = view.stream(prompt, max_tokens=N, **kw)
         try:
             for step in steps:
+                if stats is not None and step.stats is not None:
+                    stats.append(step.stats)
+                if step.finish_reason == "stop":    # an end-of-generation token: not output
+                    break
                 out.append(step.token)
                 if started is not None and len(out) == 4:
                     started.set()
@@ -92,6 +99,90 @@ def test_a_slot_that_stops_leaves_the_others_exact_and_its_cache_reusable(shared
     assert again == alone[0].tokens
 
 
+def test_slots_that_draft_and_verify_each_equal_plain_decoding_alone(shared, alone):
+    """Four slots verify drafts in shared steps, their rejected rows cut from the cache while
+    the others decode: a matching, a partly matching and an unrelated prediction, and mode
+    spec's drafts from the context, the last request arriving mid-stream. Every answer is
+    its plain answer alone, token for token; then each request again in another slot, in
+    the cache the first round left."""
+    decoder, views = slots(shared)
+    texts = [r.text for r in alone]
+    kws = [{"prediction": texts[0]},
+           {"prediction": texts[1][:12] + " and something else " + texts[1][12:]},
+           {"prediction": "Bananas ride trains to the moon every other Tuesday."},
+           {"mode": "spec"}]
+    for shift in (0, 1):     # then each request in another slot, in the cells left there
+        outs, stats = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
+        started = threading.Event()
+        threads = [threading.Thread(target=_run, args=(views[(i + shift) % 4], PROMPTS[i],
+                                                       outs[i], decoder),
+                                    kwargs={"started": started if i == 0 else None,
+                                            "wait": started if i == 3 else None,
+                                            "stats": stats[i], **kws[i]})
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert outs == [r.tokens for r in alone]
+        drafted = [sum(d for d, _ in s[-1].by_source.values()) for s in stats]
+        kept = [sum(a for _, a in s[-1].by_source.values()) for s in stats]
+        # the whole answer as the prediction: drafted and kept; the others: rows rejected
+        assert kept[0] >= N // 2 and sum(drafted) > sum(kept), (drafted, kept)
+
+
+def test_a_slot_s_rows_equal_alone_s_bit_for_bit_after_the_others_free_cells(shared,
+                                                                            small_model):
+    """Slot 1 frees cells that lie before slot 0's last ones (rejected draft rows); slot 0
+    then decodes a batch whose logits equal, bit for bit, those of the same tokens decoded
+    in a context of its own: a slot's keys stay in position order, in its own range of the
+    cache, so attention reads them as alone (not in the freed cells before them)."""
+    decoder, views = slots(shared)
+    a, b = views[0].tgt.seq, views[1].tgt.seq
+    pa, pb = (shared.prompt_tokens(PROMPTS[i]) for i in (0, 1))
+    x = shared.prompt_tokens(PROMPTS[3])[:16]
+
+    def decode(seq, tokens, all_outputs=False):
+        decoder.enter()
+        try:
+            seq.decode(tokens, all_outputs=all_outputs)
+        finally:
+            decoder.leave()
+
+    for seq in (a, b):
+        seq.rewind(0)
+    decode(a, pa)
+    decode(b, pb)
+    decode(b, x[:8])
+    decode(a, x[:4])
+    b.rewind(len(pb))                       # 8 free cells before slot 0's last 4
+    decode(a, x[4:16], all_outputs=True)
+    got = np.stack([a.logits(i) for i in range(12)])
+    with LLM(small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as one:
+        seq = one.tgt.seq
+        seq.decode(pa)
+        seq.decode(x[:4])
+        seq.decode(x[4:16], all_outputs=True)
+        want = np.stack([seq.logits(i) for i in range(12)])
+    assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+def test_a_cache_keeps_sequences_apart_only_where_their_ranges_fit(shared):
+    from specee_cpp.bindings import Batch, Context
+
+    ctx = Context(shared.model, n_ctx=512, n_batch=64, n_threads=2, n_seq_max=2,
+                  kv_unified=True)
+    try:
+        assert not ctx.keep_sequences_apart(ctx.n_ctx)     # two such ranges do not fit
+        assert ctx.keep_sequences_apart(ctx.n_ctx // 2)
+        batch = Batch(4)
+        batch.set([1, 2], 0)
+        ctx.decode(batch)
+        assert not ctx.keep_sequences_apart(ctx.n_ctx // 2)   # cells already in use
+    finally:
+        ctx.close()
+
+
 def test_a_slot_reads_every_row_of_a_batch_where_it_stood(shared, alone):
     """Two slots verify their answers at once (every row's output, as a teacher-forced pass
     or a verification reads them), in one step: each row's greedy token is the next token
@@ -118,7 +209,7 @@ def test_a_slot_reads_every_row_of_a_batch_where_it_stood(shared, alone):
         t.join(timeout=300)
     assert got == {i: alone[i].tokens[1:9] for i in (0, 1)}
     # the prompts' chunks side by side, then one step for both verifications
-    chunks = max(-(-len(p) // views[0].tgt.ctx.n_batch) for p in prompts)
+    chunks = max(-(-len(p) // views[0].tgt.seq.chunk) for p in prompts)
     assert decoder.steps == chunks + 1
 
 
@@ -128,14 +219,19 @@ def test_a_slot_refuses_what_cannot_share_a_step(shared):
         views[0].tgt.ctx.stage_begin(None)
     with pytest.raises(SpeceeError, match="draft model is not run in a slot"):
         views[0].dft
+    with pytest.raises(SpeceeError, match="gamma 3 drafts with a draft model"):
+        views[0].stream("hi", mode="spec", gamma=3)
+    with pytest.raises(SpeceeError, match="--history .* not served in a slot"):
+        views[0].stream("hi", mode="spec", history=True)
     with pytest.raises(SpeceeError, match="sequences must be positive"):
         LoadConfig(n_seq=0)
 
 
 @pytest.mark.model
 def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
-    """`serve --parallel 3`: three clients at once get their alone answers; what a slot
-    cannot run is a 400 naming the field; a draft with --parallel is one line at start."""
+    """`serve --parallel 3`: three clients at once get their alone answers, one of them
+    sending its answer as a prediction (all accepted); what a slot cannot run is a 400
+    naming the field; a draft with --parallel is one line at start."""
     import json
     import os
     import subprocess
@@ -149,14 +245,14 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
     bad = subprocess.run(cli + ["serve", str(small_model), "--parallel", "2", "--draft",
                                 str(small_model), "--port", "0"],
                          capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode != 0 and "--parallel 2 decodes plainly" in bad.stderr
+    assert bad.returncode != 0 and "--parallel 2 runs no draft model" in bad.stderr
     assert "Traceback" not in bad.stderr
     p = subprocess.Popen(cli + ["serve", str(small_model), "--parallel", "3", "--port", "0",
                                 "--n-ctx", "512", "--threads", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
-        assert "3 slots" in line, line + p.stderr.read()
+        assert "(mode spec, 3 slots)" in line, line + p.stderr.read()   # the default there
         url = line.split()[-1]
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
         answers: dict[int, str] = {}
@@ -167,26 +263,38 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
                 max_tokens=N, temperature=0)
             answers[i] = r.choices[0].message.content
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        usage: dict[int, object] = {}
+
+        def predict(i):
+            """With its alone answer as the prediction, in mode spec: drafted, verified."""
+            r = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": PROMPTS[i]}],
+                max_tokens=N, temperature=0, extra_body={"specee": {"mode": "spec"}},
+                prediction={"type": "content", "content": alone[i].text})
+            answers[i] = r.choices[0].message.content
+            usage[i] = r.usage.completion_tokens_details
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        threads.append(threading.Thread(target=predict, args=(2,)))
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
         assert answers == {i: alone[i].text for i in range(3)}
+        assert usage[2].accepted_prediction_tokens == N and \
+            usage[2].rejected_prediction_tokens == 0
         health = json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/health").read())
         assert health["slots"] == 3 and health["served"] == 3
-        for body, field in (({"specee": {"mode": "ee"}}, "specee.mode"),
-                            ({"prediction": {"type": "content", "content": "x"}}, "prediction")):
-            req = urllib.request.Request(
-                url + "/chat/completions", method="POST",
-                data=json.dumps({"model": "m", "max_tokens": 2, **body,
-                                 "messages": [{"role": "user", "content": "hi"}]}).encode(),
-                headers={"Content-Type": "application/json"})
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(req, timeout=60)
-            err = json.loads(e.value.read())["error"]
-            assert e.value.code == 400 and err["param"] == field
-            assert "not served with --parallel 3" in err["message"]
+        req = urllib.request.Request(
+            url + "/chat/completions", method="POST",
+            data=json.dumps({"model": "m", "max_tokens": 2, "specee": {"mode": "ee"},
+                             "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and err["param"] == "specee.mode"
+        assert "not served with --parallel 3" in err["message"]
     finally:
         p.terminate()
         _, stderr = p.communicate(timeout=30)

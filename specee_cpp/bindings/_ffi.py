@@ -11,7 +11,7 @@ import functools
 from ..errors import LibraryError
 
 # The patch-set version this package needs; bump together with llama_specee_patch_version().
-REQUIRED_PATCH_VERSION = 9
+REQUIRED_PATCH_VERSION = 10
 BUILD_HINT = "build and install the patched wheel with: python scripts/bootstrap.py setup"
 
 try:
@@ -50,6 +50,10 @@ llama_specee_arch_supported = _bind("llama_specee_arch_supported", [ctypes.c_cha
 # int32_t llama_specee_argmax(struct llama_context * ctx, int32_t i);
 llama_specee_argmax = _bind("llama_specee_argmax", [ll.llama_context_p_ctypes, ctypes.c_int32],
                             ctypes.c_int32)
+
+# bool llama_specee_seq_cells(struct llama_context * ctx, uint32_t n_cells);
+llama_specee_seq_cells = _bind("llama_specee_seq_cells",
+                               [ll.llama_context_p_ctypes, ctypes.c_uint32], ctypes.c_bool)
 
 # int32_t llama_specee_confidence(struct llama_context * ctx, int32_t i, float * top1,
 #                                 float * entropy);

@@ -414,6 +414,14 @@ class Context:
             raise DecodeError(f"no logits for output {i}: {_last_error()}")
         return tok, top1.value, ent.value
 
+    def keep_sequences_apart(self, n_cells: int) -> bool:
+        """Sequence s of this unified cache keeps its cells in [s*n_cells, (s+1)*n_cells), in
+        position order (patch 0017): each sequence's rows then decode bit for bit as in a
+        context of its own, whatever the others decode or free. Before the first decode;
+        False where this context's memory is not one such cache (sliding-window layers,
+        recurrent state)."""
+        return bool(_ffi.llama_specee_seq_cells(self.ptr, n_cells))
+
     def seq_rm(self, p0: int, p1: int = -1, seq_id: int = 0) -> None:
         """Remove positions [p0, p1) of sequence ``seq_id`` from the KV cache (p1 -1: to the
         end)."""

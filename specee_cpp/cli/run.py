@@ -233,8 +233,9 @@ def serve(
     parallel: int = typer.Option(1, "--parallel",
                                  help="Requests decoded at once, each in a slot of one KV "
                                       "cache (--n-ctx tokens each), their tokens in one batch "
-                                      "a step. Above 1 the slots decode plainly (no draft "
-                                      "model, no early exit)."),
+                                      "a step. Above 1: modes spec (the default; drafts "
+                                      "from the context and the prediction, no draft model) "
+                                      "and plain."),
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
@@ -267,11 +268,19 @@ def serve(
         raise SpeceeError(f"--parallel {parallel}: at least 1 request at a time")
     if parallel > 1:
         # a slot's decodes share each step's batch with the other slots': the target's own
-        # decodes only (engine/slots.py)
-        if draft is not None or flags.mode not in (None, "plain"):
-            raise SpeceeError(f"--parallel {parallel} decodes plainly in each slot: leave out "
-                              f"--draft and --mode (or serve one request at a time)")
-        flags = replace(flags, mode="plain")
+        # decodes only, no draft model's (its context is not shared) and no staged ones
+        from ..engine import modes
+
+        if draft is not None:
+            raise SpeceeError(f"--parallel {parallel} runs no draft model (each slot drafts "
+                              f"from its context and the prediction): leave out --draft, or "
+                              f"serve one request at a time")
+        if flags.mode is not None and not modes.get(flags.mode).runs_in_slots:
+            raise SpeceeError(f"--mode {flags.mode} is not served with --parallel {parallel} "
+                              f"(its staged decode runs one batch layer by layer); serve one "
+                              f"request at a time for it")
+        if flags.mode is None:   # drafts from the context and the prediction, where they pay
+            flags = replace(flags, mode="spec")
         model = _default_pair(model, None)[0]
     else:
         model, draft = _default_pair(model, draft)
@@ -287,7 +296,8 @@ def serve(
     llm = _load(model, draft, config)
     with llm:
         llm.defer_costs = True   # measured between requests (speculative/idle.py)
-        m.prepare(llm, opts, status=status_line)
+        if parallel == 1:   # a slot prepares nothing: it runs no draft model
+            m.prepare(llm, opts, status=status_line)
         cfg = ServeConfig(model_name=Path(model).stem if model.endswith(".gguf") else model,
                           mode=m, options=opts, sampling=sampling, api_key=api_key,
                           max_queue=max_queue)

@@ -101,6 +101,13 @@ class _Loaded:
         self.ctx = Context(self.model, n_ctx=self.cfg.n_ctx * n_seq, n_batch=self.cfg.n_batch,
                            n_threads=self.cfg.threads, flash_attn=flash_attn, n_seq_max=n_seq,
                            kv_unified=True if n_seq > 1 else None)
+        if n_seq > 1 and not self.ctx.keep_sequences_apart(self.ctx.n_ctx // n_seq):
+            self.ctx.close()
+            # without it a slot's keys would be read in another order than alone's, and its
+            # answer could part from the request's answer alone
+            raise SpeceeError(f"{self.model.what}: its KV cache (sliding-window or recurrent "
+                              f"layers) cannot keep {n_seq} sequences apart; serve one "
+                              f"request at a time (--parallel 1)")
         self.seq = Sequence(self.ctx)
 
     def reopen(self, flash_attn: bool | None) -> None:

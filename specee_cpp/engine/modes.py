@@ -53,6 +53,9 @@ class Mode:
     # drafts from the caller's predicted output (OpenAI's ``prediction``), verified as any
     # draft: the lossless modes
     takes_prediction: ClassVar[bool] = False
+    # runs in a slot of a server decoding several requests at once (engine/slots.py), whose
+    # decodes share each step's batch with the other slots': not a staged decode
+    runs_in_slots: ClassVar[bool] = False
     help: ClassVar[str] = ""
 
     def options(self, **given: Any):

@@ -47,6 +47,7 @@ class Plain(Mode):
     name = "plain"
     help = "one target decode per token"
     takes_prediction = True
+    runs_in_slots = True
 
     def start(self, llm, sampling, opts):
         pick = make_picker(sampling)

@@ -21,10 +21,12 @@ def common_prefix(a: Seq, b: Seq) -> int:
 
 class Sequence:
     """Sequence 0 of a context. ``tokens`` is exactly what the KV cache holds: it is
-    extended only after a successful decode and cut together with the cache."""
+    extended only after a successful decode and cut together with the cache. Tokens beyond
+    one batch (a prompt) go in batches of ``chunk`` (default: the context's n_batch)."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, chunk: int | None = None):
         self.ctx = ctx
+        self.chunk = min(chunk or ctx.n_batch, ctx.n_batch)
         self.tokens: list[int] = []
         self._batch = Batch(ctx.n_batch)
 
@@ -46,8 +48,9 @@ class Sequence:
         if all_outputs and len(tokens) > self.ctx.n_batch:
             raise SpeceeError(f"{len(tokens)} tokens with all outputs exceed n_batch "
                               f"{self.ctx.n_batch}")
-        for i in range(0, len(tokens), self.ctx.n_batch):
-            chunk = tokens[i:i + self.ctx.n_batch]
+        step = len(tokens) if all_outputs else self.chunk
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i:i + step]
             self._batch.set(chunk, len(self.tokens), output_last_only=not all_outputs)
             self.ctx.decode(self._batch)
             self.tokens.extend(chunk)

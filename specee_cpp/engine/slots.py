@@ -5,13 +5,21 @@ tokens per slot) driven by its own thread, running a strategy unchanged: the str
 :class:`SlotLLM` whose target context is a :class:`SlotContext`, a view that hands each
 decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``llama_decode``
 as soon as every slot in use is waiting on it, with every waiting slot's rows (in arrival
-order, as many as one batch holds), so the slots advance together, a step of four clients
-costing about what a small verification batch costs. A slot's long prompt is fed in chunks of
-``SLOT_CHUNK`` rows, one per step, so it shares each step with the others' tokens instead of
-stalling them; a step holds at most ``SLOT_STEP`` rows (config.py says why). Those chunks go
-through the row kernels, a whole prompt read alone (more than 64 rows a batch) through the
-kernels measured fastest for prompts: the two round differently, so past 64 prompt tokens a
-slot's answer may part from the request's answer alone at a near tie.
+order, a slot's rows never split, as many as one step holds), so the slots advance together,
+a step of four clients costing about what a small verification batch costs. A slot's draft
+and its verification are its own (mode spec drafts from the slot's context and prediction,
+no draft model). A slot's long prompt is fed in chunks of ``SLOT_CHUNK`` rows, one per step,
+so it shares each step with the others' tokens instead of stalling them; a step holds at
+most ``SLOT_STEP`` rows (config.py says why).
+
+What makes a slot's rows its own: every step is a batch the row kernels take, whose rows
+equal the same tokens decoded one at a time, and the cache keeps each slot's cells in a
+range of its own, in position order (``Context.keep_sequences_apart``), so attention reads a
+slot's keys as a context of its own holds them, whatever the others decode or free. A slot's
+answer is therefore the one the same server gives the request when it is alone. Against a
+server of one slot it can still part past 64 prompt tokens, at a near tie: a prompt read
+alone goes in batches of more than 64 rows, through the kernels measured fastest for
+prompts, which round differently from the row kernels.
 
 Between two steps no decode runs: that is when each slot reads its outputs and cuts its
 cache, one slot at a time (``SharedDecoder.lock``: llama.cpp's reads and cache edits are not
@@ -98,12 +106,12 @@ class SlotContext:
     """Sequence ``seq_id`` of a shared context, as a :class:`Sequence` uses a context: its
     decodes go through the decoder, its outputs are read where its rows stood."""
 
-    def __init__(self, ctx: Context, decoder: SharedDecoder, seq_id: int, n_ctx: int,
-                 chunk: int = SLOT_CHUNK):
+    def __init__(self, ctx: Context, decoder: SharedDecoder, seq_id: int, n_ctx: int):
         self._ctx, self._decoder, self.seq_id = ctx, decoder, seq_id
         self.model = ctx.model
         self.n_ctx = n_ctx
-        self.n_batch = min(chunk, ctx.n_batch)   # a Sequence feeds longer prompts in chunks
+        # the most rows a decode may hand the decoder at once (a verification's)
+        self.n_batch = decoder.max_rows
         self._at, self._outputs = 0, []
 
     def decode(self, batch: Batch) -> None:
@@ -149,14 +157,17 @@ class SlotContext:
 class _SlotTarget:
     """A slot's target: the model, the slot's context view and its sequence."""
 
-    def __init__(self, ctx: SlotContext):
-        self.model, self.ctx, self.seq = ctx.model, ctx, Sequence(ctx)
+    def __init__(self, ctx: SlotContext, chunk: int = SLOT_CHUNK):
+        # a prompt goes in chunks: each shares a step with the other slots' rows
+        self.model, self.ctx, self.seq = ctx.model, ctx, Sequence(ctx, chunk=chunk)
 
 
 class SlotLLM:
     """What a mode sees of ``llm`` in one slot: the target's sequence is the slot's, the
     rest (models, tokenizer, what modes derived once) is the LLM's. Only modes that decode
     the target alone run here: a draft model's context is not shared between slots."""
+
+    shares_steps = True     # a mode runs its slot variant: no draft model (speculative/mode.py)
 
     def __init__(self, llm, ctx: SlotContext):
         self._llm = llm

@@ -144,13 +144,11 @@ class Server:
         llm, cfg = self.llm, self.cfg
         mode, options = self.mode_of(body.specee)
         n = self.worker.slots
-        if n > 1 and (mode.name != "plain" or body.prediction is not None):
-            # a slot's decodes share each step's batch with the other slots': the target's
-            # own decodes only, no draft model's or staged ones, no verification batches
-            what = f"mode {mode.name}" if mode.name != "plain" else "a prediction"
-            raise FieldError("prediction" if mode.name == "plain" else "specee.mode",
-                             f"{what} is not served with --parallel {n}, whose slots decode "
-                             f"plainly; start the server with --parallel 1 for it")
+        if n > 1 and not mode.runs_in_slots:
+            # a slot's decodes share each step's batch with the other slots': no staged ones
+            raise FieldError("specee.mode", f"mode {mode.name} is not served with --parallel "
+                             f"{n} (its staged decode runs one batch layer by layer); start "
+                             f"the server with --parallel 1 for it")
         base = cfg.sampling
         sampling = SamplingConfig(
             temperature=base.temperature if body.temperature is None else body.temperature,
@@ -183,7 +181,8 @@ class Server:
         if extra is None or (extra.mode is None and extra.gamma is None):
             return cfg.mode, cfg.options
         mode = modes.get(extra.mode) if extra.mode else cfg.mode
-        if mode.needs_draft and self.llm.draft_path is None:
+        # a slot runs no draft model: spec drafts there from the context and the prediction
+        if mode.needs_draft and self.llm.draft_path is None and self.worker.slots == 1:
             raise SpeceeError(f"specee.mode {mode.name} needs a draft model; start the server "
                               f"with --draft")
         options = cfg.options if mode is cfg.mode else mode.options()

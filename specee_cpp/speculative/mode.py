@@ -441,9 +441,16 @@ class Spec(Mode):
     Options = SpecOptions
     needs_draft = True
     takes_prediction = True
+    runs_in_slots = True      # drafting from the context and the prediction only (_in_slot)
     help = "draft then verify (lossless); --gamma picks the draft length"
 
+    def check(self, llm, sampling) -> None:
+        if not getattr(llm, "shares_steps", False):   # a slot runs no draft model
+            super().check(llm, sampling)
+
     def start(self, llm, sampling, opts):
+        if getattr(llm, "shares_steps", False):
+            return self._in_slot(llm, sampling, opts)
         if deferred(llm, opts):
             estimate = estimated_costs(llm)
             if estimate is None:
@@ -540,18 +547,42 @@ class Spec(Mode):
         prediction) priced at the dearest verification measured on any machine, no draft
         model (its costs decide whether it pays at all); the draft stays loaded for the
         measurement that runs in idle time."""
-        from .context_drafter import ContextSource, free_draft_max
-        from .idle import provisional_costs
-
-        costs = provisional_costs() if opts.context else None
-        copy = copy_model(llm) if opts.context else None
-        hist = history_drafts(llm) if opts.history else None
         note = ("this machine's draft/verify costs are not measured yet (they are measured "
                 "while idle): drafts from the context at prices safe on any machine, no "
                 "draft model until then")
         if not has_controller(llm, opts):
             note += (f"; no draft-length controller for {llm.draft_path.name} (fit one with "
                      f"specee-cpp fit-controller, or pass --gamma N)")
+        return self._context_only(llm, sampling, opts, note)
+
+    def _in_slot(self, llm, sampling, opts):
+        """A slot of a server decoding several requests at once (engine/slots.py): no draft
+        model (its context cannot be shared between slots), drafts from the slot's own
+        context and prediction, priced as a run before this machine's costs are known (the
+        dearest verification rows measured anywhere). A drafted row's price there is its
+        share of a step that every slot waits for, while the token it may save is worth
+        that step's time over the slots' tokens, less than a plain step of one sequence:
+        drafts have to be likelier to hold than alone before they pay, which the dearer
+        prices ask of them."""
+        if opts.gamma not in NEEDS_COSTS:
+            raise SpeceeError(f"gamma {opts.gamma} drafts with a draft model, which a slot of "
+                              f"--parallel does not run; gamma auto or stop draft from the "
+                              f"context and the prediction")
+        if opts.history:
+            raise SpeceeError("--history drafts from one user's earlier outputs: not served "
+                              "in a slot of --parallel, whose requests may be anyone's")
+        return self._context_only(llm, sampling, opts, "a slot of several: drafts from the "
+                                  "context and the prediction, no draft model")
+
+    def _context_only(self, llm, sampling, opts, note: str):
+        """Drafts from the context (and the prediction) at provisional prices, none from a
+        draft model."""
+        from .context_drafter import ContextSource, free_draft_max
+        from .idle import provisional_costs
+
+        costs = provisional_costs() if opts.context else None
+        copy = copy_model(llm) if opts.context else None
+        hist = history_drafts(llm) if opts.history else None
 
         def context_for(pred):
             if costs is None and pred is None:
@@ -563,7 +594,7 @@ class Spec(Mode):
         return spec_runner(llm, sampling, None, 0, hist, note, context_for)
 
     def prepare(self, llm, opts, status=no_status) -> None:
-        if deferred(llm, opts):
+        if getattr(llm, "shares_steps", False) or deferred(llm, opts):
             return   # measured in idle time
         if llm.draft_auto and needs_costs(llm, opts):
             choose_variant(llm, status)
