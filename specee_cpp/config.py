@@ -31,12 +31,11 @@ LONG_BATCHES = (24, 32, 48, 64)
 MAX_FREE_VERIFY = LONG_BATCHES[-1]
 FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked
 # the server's slots (engine/slots.py): a step decodes at most SLOT_STEP rows, every waiting
-# slot's together, and a slot's prompt goes in chunks of SLOT_CHUNK. Both within the batch
-# sizes a verification takes, whose rows decode bit for bit as they do in any other batch of
-# those sizes: a slot's greedy output does not depend on what the other slots decode; and a
-# slot's longest verification (a context draft's) fits one step
+# slot's together, a prompt's filling the room left. Within the batch sizes a verification
+# takes, whose rows decode bit for bit as they do in any other batch of those sizes: a slot's
+# greedy output does not depend on what the other slots decode; and a slot's longest
+# verification (a context draft's) fits one step
 SLOT_STEP = MAX_FREE_VERIFY
-SLOT_CHUNK = 32
 
 
 # ---- tuning: the constants the decoding logic decides with ----------------------------------

@@ -7,14 +7,14 @@ import threading
 import numpy as np
 import pytest
 
-from specee_cpp.config import LoadConfig
+from specee_cpp.config import SLOT_STEP, LoadConfig
 from specee_cpp.engine.llm import LLM
 from specee_cpp.engine.slots import slots
 from specee_cpp.errors import SpeceeError
 
 PROMPTS = ["Write one sentence about the sea.",
            "List three colours of the rainbow.",
-           "Count from one to ten in words. " * 6,       # fed in chunks: longer than one
+           "Count from one to ten in words. " * 6,       # over several steps: > SLOT_STEP
            "Name a famous painter and one painting."]
 N = 24
 
@@ -208,9 +208,9 @@ def test_a_slot_reads_every_row_of_a_batch_where_it_stood(shared, alone):
     for t in threads:
         t.join(timeout=300)
     assert got == {i: alone[i].tokens[1:9] for i in (0, 1)}
-    # the prompts' chunks side by side, then one step for both verifications
-    chunks = max(-(-len(p) // views[0].tgt.seq.chunk) for p in prompts)
-    assert decoder.steps == chunks + 1
+    # the prompts side by side, filling each step (SLOT_STEP rows), then the verifications
+    assert sum(map(len, prompts)) <= 2 * SLOT_STEP - 16
+    assert decoder.steps == -(-sum(map(len, prompts)) // SLOT_STEP) + 1
 
 
 def test_a_slot_refuses_what_cannot_share_a_step(shared):
@@ -247,6 +247,11 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode != 0 and "--parallel 2 runs no draft model" in bad.stderr
     assert "Traceback" not in bad.stderr
+    staged = subprocess.run(cli + ["serve", str(small_model), "--parallel", "2", "--mode",
+                                   "ee", "--port", "0"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert staged.returncode != 0 and "Traceback" not in staged.stderr
+    assert "--mode ee is not served with --parallel 2" in staged.stderr
     p = subprocess.Popen(cli + ["serve", str(small_model), "--parallel", "3", "--port", "0",
                                 "--n-ctx", "512", "--threads", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

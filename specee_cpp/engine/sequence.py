@@ -21,12 +21,12 @@ def common_prefix(a: Seq, b: Seq) -> int:
 
 class Sequence:
     """Sequence 0 of a context. ``tokens`` is exactly what the KV cache holds: it is
-    extended only after a successful decode and cut together with the cache. Tokens beyond
-    one batch (a prompt) go in batches of ``chunk`` (default: the context's n_batch)."""
+    extended only after a successful decode and cut together with the cache. A prompt goes
+    in batches of ``chunk`` tokens (the context's n_batch)."""
 
-    def __init__(self, ctx: Context, chunk: int | None = None):
+    def __init__(self, ctx: Context):
         self.ctx = ctx
-        self.chunk = min(chunk or ctx.n_batch, ctx.n_batch)
+        self.chunk = ctx.n_batch
         self.tokens: list[int] = []
         self._batch = Batch(ctx.n_batch)
 
@@ -49,11 +49,14 @@ class Sequence:
             raise SpeceeError(f"{len(tokens)} tokens with all outputs exceed n_batch "
                               f"{self.ctx.n_batch}")
         step = len(tokens) if all_outputs else self.chunk
-        for i in range(0, len(tokens), step):
+        i = 0
+        while i < len(tokens):
             chunk = tokens[i:i + step]
             self._batch.set(chunk, len(self.tokens), output_last_only=not all_outputs)
-            self.ctx.decode(self._batch)
-            self.tokens.extend(chunk)
+            # a slot's step may take the first rows of a prompt's chunk only (slots.py)
+            n = self.ctx.decode(self._batch) or len(chunk)
+            self.tokens.extend(chunk[:n])
+            i += n
 
     def decode_greedy(self, tokens: list[int]) -> list[int]:
         """Decode ``tokens`` in one batch and return the greedy token after each of them

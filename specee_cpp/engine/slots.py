@@ -8,9 +8,9 @@ as soon as every slot in use is waiting on it, with every waiting slot's rows (i
 order, a slot's rows never split, as many as one step holds), so the slots advance together,
 a step of four clients costing about what a small verification batch costs. A slot's draft
 and its verification are its own (mode spec drafts from the slot's context and prediction,
-no draft model). A slot's long prompt is fed in chunks of ``SLOT_CHUNK`` rows, one per step,
-so it shares each step with the others' tokens instead of stalling them; a step holds at
-most ``SLOT_STEP`` rows (config.py says why).
+no draft model). A step holds at most ``SLOT_STEP`` rows (config.py says why); a slot's
+prompt fills the room the others leave in it, so a long prompt shares each step with the
+others' tokens instead of stalling them, and goes on in the next steps.
 
 What makes a slot's rows its own: every step is a batch the row kernels take, whose rows
 equal the same tokens decoded one at a time, and the cache keeps each slot's cells in a
@@ -33,7 +33,7 @@ import threading
 import numpy as np
 
 from ..bindings import Batch, Context
-from ..config import SLOT_CHUNK, SLOT_STEP
+from ..config import SLOT_STEP
 from ..errors import SpeceeError
 from .llm import LLM
 from .sequence import Sequence
@@ -65,12 +65,14 @@ class SharedDecoder:
             self._in_use -= 1
             self._step_if_ready()
 
-    def decode(self, slot: int, rows: list[tuple[int, int, int, bool]]) -> int:
+    def decode(self, slot: int, rows: list[tuple[int, int, int, bool]],
+               divisible: bool = False) -> tuple[int, int]:
         """Decode ``rows`` of (token, position, sequence, logits wanted) in the next step;
         returns where they start in that step's batch (the outputs are read by that index
-        until the slot asks for its next decode)."""
+        until the slot asks for its next decode) and how many were decoded: all of them,
+        or where ``divisible`` (a prompt's) the first ones the step had room for."""
         with self._cond:
-            self._waiting[slot] = rows
+            self._waiting[slot] = (rows, divisible)
             self._step_if_ready()
             while slot not in self._done:
                 self._cond.wait()
@@ -80,14 +82,18 @@ class SharedDecoder:
         return done
 
     def _step_if_ready(self) -> None:
-        """With the lock held: one step once every slot in use waits on one."""
+        """With the lock held: one step once every slot in use waits on one. Slots in
+        arrival order, each one's rows whole; a prompt's rows fill the room that is left."""
         if not self._waiting or len(self._waiting) < self._in_use:
             return
         taken, rows = [], []
-        for slot, r in self._waiting.items():
-            if rows and len(rows) + len(r) > self.max_rows:
+        for slot, (r, divisible) in self._waiting.items():
+            room = self.max_rows - len(rows)
+            if room <= 0 or (rows and len(r) > room and not divisible):
                 break          # the next step takes it first
-            taken.append((slot, len(rows)))
+            if divisible:
+                r = r[:room]
+            taken.append((slot, len(rows), len(r)))
             rows += r
         try:
             self._batch.set_rows(rows)
@@ -96,9 +102,9 @@ class SharedDecoder:
             failed = None
         except BaseException as e:    # every slot of the step gets it: the step did not run
             failed = e
-        for slot, at in taken:
+        for slot, at, n in taken:
             del self._waiting[slot]
-            self._done[slot] = at if failed is None else failed
+            self._done[slot] = (at, n) if failed is None else failed
         self._cond.notify_all()
 
 
@@ -114,10 +120,15 @@ class SlotContext:
         self.n_batch = decoder.max_rows
         self._at, self._outputs = 0, []
 
-    def decode(self, batch: Batch) -> None:
+    def decode(self, batch: Batch) -> int:
+        """Hand the batch's rows to the next step; returns how many it decoded: a prompt's
+        rows (logits for the last one only) fill the room the step has, the rest of them
+        go in the next decode (Sequence.decode goes on from there)."""
         rows = [(t, pos, self.seq_id, out) for t, pos, _, out in batch.rows()]
-        self._at = self._decoder.decode(self.seq_id, rows)
-        self._outputs = [i for i, r in enumerate(rows) if r[3]]
+        divisible = len(rows) > 1 and not any(r[3] for r in rows[:-1])
+        self._at, n = self._decoder.decode(self.seq_id, rows, divisible)
+        self._outputs = [i for i, r in enumerate(rows[:n]) if r[3]]
+        return n
 
     def _index(self, i: int) -> int:
         """The shared batch's index of this slot's output ``i`` (a row index, or from the
@@ -157,9 +168,8 @@ class SlotContext:
 class _SlotTarget:
     """A slot's target: the model, the slot's context view and its sequence."""
 
-    def __init__(self, ctx: SlotContext, chunk: int = SLOT_CHUNK):
-        # a prompt goes in chunks: each shares a step with the other slots' rows
-        self.model, self.ctx, self.seq = ctx.model, ctx, Sequence(ctx, chunk=chunk)
+    def __init__(self, ctx: SlotContext):
+        self.model, self.ctx, self.seq = ctx.model, ctx, Sequence(ctx)
 
 
 class SlotLLM:
