@@ -4,8 +4,8 @@ Each slot is a sequence of the target's context (``LoadConfig.n_seq``: one KV ca
 tokens per slot) driven by its own thread, running a strategy unchanged: the strategy sees a
 :class:`SlotLLM` whose target context is a :class:`SlotContext`, a view that hands each
 decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``llama_decode``
-as soon as every slot in use is waiting on it, with every waiting slot's rows (in arrival
-order, a slot's rows never split, as many as one step holds), so the slots advance together,
+as soon as every slot in use is waiting on it, with the waiting slots' rows in arrival order
+(a decode's whole, a prompt's as far as the step has room), so the slots advance together,
 a step of four clients costing about what a small verification batch costs. A slot's draft
 and its verification are its own (mode spec drafts from the slot's context and prediction,
 no draft model). A step holds at most ``SLOT_STEP`` rows (config.py says why); a slot's
