@@ -131,6 +131,23 @@ def test_slots_that_draft_and_verify_each_equal_plain_decoding_alone(shared, alo
         assert kept[0] >= N // 2 and sum(drafted) > sum(kept), (drafted, kept)
 
 
+def test_a_slot_reuses_its_cells_answer_after_answer(shared, alone):
+    """Twenty answers in one slot, each with an unrelated prediction (drafted rows rejected
+    and cut) on the cache the last one left: more tokens than the slot's range of cells
+    holds, every answer exact. A cell not freed would fill the range: the cache stays
+    bounded however long a slot serves."""
+    decoder, views = slots(shared)
+    cells = shared.tgt.ctx.n_ctx // shared.tgt.n_seq
+    written = 0
+    for k in range(20):
+        out, stats = [], []
+        _run(views[0], PROMPTS[k % 4], out, decoder, stats=stats,
+             prediction="Bananas ride trains to the moon every other Tuesday.")
+        assert out == alone[k % 4].tokens
+        written += stats[-1].n_prompt + len(out)
+    assert written > 2 * cells, written
+
+
 def test_a_slot_s_rows_equal_alone_s_bit_for_bit_after_the_others_free_cells(shared,
                                                                             small_model):
     """Slot 1 frees cells that lie before slot 0's last ones (rejected draft rows); slot 0
