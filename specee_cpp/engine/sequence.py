@@ -21,12 +21,10 @@ def common_prefix(a: Seq, b: Seq) -> int:
 
 class Sequence:
     """Sequence 0 of a context. ``tokens`` is exactly what the KV cache holds: it is
-    extended only after a successful decode and cut together with the cache. A prompt goes
-    in batches of ``chunk`` tokens (the context's n_batch)."""
+    extended only after a successful decode and cut together with the cache."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
-        self.chunk = ctx.n_batch
         self.tokens: list[int] = []
         self._batch = Batch(ctx.n_batch)
 
@@ -48,10 +46,9 @@ class Sequence:
         if all_outputs and len(tokens) > self.ctx.n_batch:
             raise SpeceeError(f"{len(tokens)} tokens with all outputs exceed n_batch "
                               f"{self.ctx.n_batch}")
-        step = len(tokens) if all_outputs else self.chunk
         i = 0
         while i < len(tokens):
-            chunk = tokens[i:i + step]
+            chunk = tokens[i:i + self.ctx.n_batch]
             self._batch.set(chunk, len(self.tokens), output_last_only=not all_outputs)
             # a slot's step may take the first rows of a prompt's chunk only (slots.py)
             n = self.ctx.decode(self._batch) or len(chunk)

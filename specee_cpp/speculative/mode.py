@@ -436,6 +436,12 @@ def spec_runner(llm, sampling, dft, policy, hist, note: str, context_for):
     return run
 
 
+def in_a_slot(llm) -> bool:
+    """Whether ``llm`` is a slot of a server decoding several requests at once
+    (engine/slots.py): no draft model runs there."""
+    return getattr(llm, "shares_steps", False)
+
+
 class Spec(Mode):
     name = "spec"
     Options = SpecOptions
@@ -445,11 +451,11 @@ class Spec(Mode):
     help = "draft then verify (lossless); --gamma picks the draft length"
 
     def check(self, llm, sampling) -> None:
-        if not getattr(llm, "shares_steps", False):   # a slot runs no draft model
+        if not in_a_slot(llm):
             super().check(llm, sampling)
 
     def start(self, llm, sampling, opts):
-        if getattr(llm, "shares_steps", False):
+        if in_a_slot(llm):
             return self._in_slot(llm, sampling, opts)
         if deferred(llm, opts):
             estimate = estimated_costs(llm)
@@ -594,8 +600,8 @@ class Spec(Mode):
         return spec_runner(llm, sampling, None, 0, hist, note, context_for)
 
     def prepare(self, llm, opts, status=no_status) -> None:
-        if getattr(llm, "shares_steps", False) or deferred(llm, opts):
-            return   # measured in idle time
+        if in_a_slot(llm) or deferred(llm, opts):
+            return   # a slot prepares nothing; otherwise measured in idle time
         if llm.draft_auto and needs_costs(llm, opts):
             choose_variant(llm, status)
         if needs_costs(llm, opts):
