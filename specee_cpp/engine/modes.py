@@ -68,10 +68,15 @@ class Mode:
                                   f"(its options: {', '.join(known) or 'none'})")
         return self.Options(**given)
 
+    def needs_draft_in(self, slot: bool) -> bool:
+        """Whether this mode needs a draft model, run alone or (``slot``) in a slot of a
+        server decoding several requests at once, where no draft model runs."""
+        return self.needs_draft
+
     def check(self, llm: LLM, sampling: SamplingConfig) -> None:
         """What every mode's ``start`` would check first: a draft model where the mode needs
         one, greedy decoding where it decodes nothing else. Raised with the offending value."""
-        if self.needs_draft and llm.draft_path is None:
+        if self.needs_draft_in(in_a_slot(llm)) and llm.draft_path is None:
             raise SpeceeError(f"mode {self.name} needs a draft model (--draft)")
         if self.greedy_only and not sampling.greedy:
             raise SpeceeError(f"mode {self.name} decodes greedily (early exit changes the "
@@ -92,6 +97,12 @@ class Mode:
         changed = [f"{f.name} {getattr(opts, f.name)}" for f in fields(opts)
                    if getattr(opts, f.name) != f.default]
         return " ".join([f"specee-cpp --mode {self.name}", *changed])
+
+
+def in_a_slot(llm) -> bool:
+    """Whether ``llm`` is a slot of a server decoding several requests at once
+    (engine/slots.py): no draft model runs there."""
+    return getattr(llm, "shares_steps", False)
 
 
 _MODES: dict[str, Mode] = {}

@@ -143,12 +143,6 @@ class Server:
         """A request as the worker runs it, refused here if anything about it cannot run."""
         llm, cfg = self.llm, self.cfg
         mode, options = self.mode_of(body.specee)
-        n = self.worker.slots
-        if n > 1 and not mode.runs_in_slots:
-            # a slot's decodes share each step's batch with the other slots': no staged ones
-            raise FieldError("specee.mode", f"mode {mode.name} is not served with --parallel "
-                             f"{n} (its staged decode runs one batch layer by layer); start "
-                             f"the server with --parallel 1 for it")
         base = cfg.sampling
         sampling = SamplingConfig(
             temperature=base.temperature if body.temperature is None else body.temperature,
@@ -178,11 +172,17 @@ class Server:
 
     def mode_of(self, extra: Extra | None) -> tuple[Mode, Any]:
         cfg = self.cfg
-        if extra is None or (extra.mode is None and extra.gamma is None):
+        given = extra is not None and (extra.mode is not None or extra.gamma is not None)
+        mode = modes.get(extra.mode) if given and extra.mode else cfg.mode
+        n = self.worker.slots
+        if n > 1 and not mode.runs_in_slots:
+            # a slot's decodes share each step's batch with the other slots': no staged ones
+            raise FieldError("specee.mode", f"mode {mode.name} is not served with --parallel "
+                             f"{n} (its staged decode runs one batch layer by layer); start "
+                             f"the server with --parallel 1 for it")
+        if not given:
             return cfg.mode, cfg.options
-        mode = modes.get(extra.mode) if extra.mode else cfg.mode
-        # a slot runs no draft model: spec drafts there from the context and the prediction
-        if mode.needs_draft and self.llm.draft_path is None and self.worker.slots == 1:
+        if mode.needs_draft_in(n > 1) and self.llm.draft_path is None:
             raise SpeceeError(f"specee.mode {mode.name} needs a draft model; start the server "
                               f"with --draft")
         options = cfg.options if mode is cfg.mode else mode.options()

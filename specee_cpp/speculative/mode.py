@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from ..engine.draft_attention import draft_attention
-from ..engine.modes import Mode, no_status, register
+from ..engine.modes import Mode, in_a_slot, no_status, register
 from ..engine.plain import PLAIN
 from ..engine.steps import with_note
 from ..errors import SpeceeError
@@ -436,12 +436,6 @@ def spec_runner(llm, sampling, dft, policy, hist, note: str, context_for):
     return run
 
 
-def in_a_slot(llm) -> bool:
-    """Whether ``llm`` is a slot of a server decoding several requests at once
-    (engine/slots.py): no draft model runs there."""
-    return getattr(llm, "shares_steps", False)
-
-
 class Spec(Mode):
     name = "spec"
     Options = SpecOptions
@@ -450,9 +444,8 @@ class Spec(Mode):
     runs_in_slots = True      # drafting from the context and the prediction only (_in_slot)
     help = "draft then verify (lossless); --gamma picks the draft length"
 
-    def check(self, llm, sampling) -> None:
-        if not in_a_slot(llm):
-            super().check(llm, sampling)
+    def needs_draft_in(self, slot: bool) -> bool:
+        return not slot   # a slot drafts from its context and the prediction only
 
     def start(self, llm, sampling, opts):
         if in_a_slot(llm):
