@@ -2,6 +2,8 @@
 same request decoded alone, token for token, while their rows share each step's batch."""
 from __future__ import annotations
 
+import gc
+import os
 import threading
 
 import numpy as np
@@ -146,6 +148,43 @@ def test_a_slot_reuses_its_cells_answer_after_answer(shared, alone):
         assert out == alone[k % 4].tokens
         written += stats[-1].n_prompt + len(out)
     assert written > 2 * cells, written
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_slots_hold_no_more_memory_answer_after_answer(shared, alone):
+    """A server runs for days: four slots answering round after round (plain, context
+    drafts, a matching and an unrelated prediction) end holding what they held after the
+    first rounds. What grows per answer or per token (a step's logits kept, a drafter's
+    trie or a prediction never let go) shows as megabytes over a few hundred answers."""
+    decoder, views = slots(shared)
+    kinds = [{}, {"mode": "spec"}, {"mode": "spec", "prediction": alone[2].text},
+             {"mode": "spec", "prediction": "Bananas ride trains to the moon."}]
+
+    def round_(r):
+        outs = [[] for _ in views]
+        threads = [threading.Thread(target=_run, args=(views[i], PROMPTS[(i + r) % 4],
+                                                       outs[i], decoder),
+                                    kwargs=kinds[(i + r) % 4]) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert outs == [alone[(i + r) % 4].tokens for i in range(4)]
+
+    for r in range(3):
+        round_(r)
+    gc.collect()
+    before = _rss_mib()
+    for r in range(3, 19):
+        round_(r)
+    gc.collect()
+    grown = _rss_mib() - before
+    assert grown < 8, f"{grown:.1f} MiB more after 64 answers"
 
 
 def test_a_slot_s_rows_equal_alone_s_bit_for_bit_after_the_others_free_cells(shared,
