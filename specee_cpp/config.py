@@ -31,11 +31,15 @@ LONG_BATCHES = (24, 32, 48, 64)
 MAX_FREE_VERIFY = LONG_BATCHES[-1]
 FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and benchmarked
 # the server's slots (engine/slots.py): a step decodes at most SLOT_STEP rows, every waiting
-# slot's together, a prompt's filling the room left. Within the batch sizes a verification
+# slot's together, a prompt's as far as there is room. Within the batch sizes a verification
 # takes, whose rows decode bit for bit as they do in any other batch of those sizes: a slot's
 # greedy output does not depend on what the other slots decode; and a slot's longest
 # verification (a context draft's) fits one step
 SLOT_STEP = MAX_FREE_VERIFY
+# a new prompt's rows go first in a step, up to this many while other slots wait, then the
+# others go first for a step: a prompt of up to one batch is read as fast as it is alone (its
+# first token waits on no one's verification), a longer one pauses the others a batch at a time
+SLOT_PROMPT_AHEAD = N_BATCH
 
 
 # ---- tuning: the constants the decoding logic decides with ----------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from specee_cpp.config import SLOT_STEP, LoadConfig
 from specee_cpp.engine.llm import LLM
-from specee_cpp.engine.slots import slots
+from specee_cpp.engine.slots import SharedDecoder, slots
 from specee_cpp.errors import SpeceeError
 
 PROMPTS = ["Write one sentence about the sea.",
@@ -62,6 +63,14 @@ def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None, s
         decoder.leave()
 
 
+def _together(threads: list[threading.Thread]) -> None:
+    """Start the slot threads, then wait for all of them."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+
+
 def test_slots_decode_in_one_batch_and_each_equals_its_request_alone(shared, alone):
     """Four slots; the fourth request arrives while the others are mid-answer. Every answer
     is its alone answer token for token, and the steps carried several slots' rows."""
@@ -74,10 +83,7 @@ def test_slots_decode_in_one_batch_and_each_equals_its_request_alone(shared, alo
                for i in range(3)]
     threads.append(threading.Thread(target=_run, args=(views[3], PROMPTS[3], outs[3], decoder),
                                     kwargs={"wait": started}))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    _together(threads)
     assert outs == [r.tokens for r in alone]
     # alone: a step per token (the prompts' chunks aside); together: far fewer
     assert decoder.steps < 2 * N + 6, decoder.steps
@@ -89,10 +95,7 @@ def test_a_slot_that_stops_leaves_the_others_exact_and_its_cache_reusable(shared
     threads = [threading.Thread(target=_run, args=(views[i], PROMPTS[i], outs[i], decoder),
                                 kwargs={"stop_after": 5 if i == 1 else None})
                for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    _together(threads)
     assert outs[0] == alone[0].tokens and outs[2] == alone[2].tokens
     assert outs[1] == alone[1].tokens[:5]
     # the stopped slot runs another request next, exactly; nothing of the others' remains
@@ -122,10 +125,7 @@ def test_slots_that_draft_and_verify_each_equal_plain_decoding_alone(shared, alo
                                             "wait": started if i == 3 else None,
                                             "stats": stats[i], **kws[i]})
                    for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        _together(threads)
         assert outs == [r.tokens for r in alone]
         drafted = [sum(d for d, _ in s[-1].by_source.values()) for s in stats]
         kept = [sum(a for _, a in s[-1].by_source.values()) for s in stats]
@@ -170,10 +170,7 @@ def test_slots_hold_no_more_memory_answer_after_answer(shared, alone):
         threads = [threading.Thread(target=_run, args=(views[i], PROMPTS[(i + r) % 4],
                                                        outs[i], decoder),
                                     kwargs=kinds[(i + r) % 4]) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        _together(threads)
         assert outs == [alone[(i + r) % 4].tokens for i in range(4)]
 
     for r in range(3):
@@ -259,14 +256,63 @@ def test_a_slot_reads_every_row_of_a_batch_where_it_stood(shared, alone):
     threads = [threading.Thread(target=verify, args=(i,)) for i in (0, 1)]
     for _ in threads:
         decoder.enter()     # both in use before either decodes: every step waits for both
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    _together(threads)
     assert got == {i: alone[i].tokens[1:9] for i in (0, 1)}
     # the prompts side by side, filling each step (SLOT_STEP rows), then the verifications
     assert sum(map(len, prompts)) <= 2 * SLOT_STEP - 16
     assert decoder.steps == -(-sum(map(len, prompts)) // SLOT_STEP) + 1
+
+
+class _Recorder:
+    """A context that only records each step: its rows' sequence ids, in batch order."""
+    n_batch = 512
+
+    def __init__(self):
+        self.steps = []
+
+    def decode(self, batch):
+        self.steps.append([seq for _, _, seq, _ in batch.rows()])
+
+
+@pytest.mark.parametrize("ahead", [512, 64])
+def test_a_new_prompt_goes_first_then_lets_the_others_go_first(ahead):
+    """Slots 1 and 2 wait with 3 rows each when slot 0's prompt of 160 rows arrives: its rows
+    go first in each step, until ``ahead`` of them went ahead of the others; then the others
+    go first for a step, the prompt filling the room they leave."""
+    ctx = _Recorder()
+    decoder = SharedDecoder(ctx, prompt_ahead=ahead)
+
+    def prompt():
+        rows = [(1, p, 0, p == 159) for p in range(160)]
+        while rows:
+            _, n = decoder.decode(0, rows, divisible=True)
+            rows = rows[n:]
+        decoder.leave()
+
+    def decodes(slot):
+        for p in range(4):
+            decoder.decode(slot, [(1, p, slot, True)] * 3)
+        decoder.leave()
+
+    for _ in range(3):
+        decoder.enter()
+    threads = [threading.Thread(target=decodes, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+        while len(decoder._waiting) < len(threads[:threads.index(t) + 1]):
+            time.sleep(0.001)       # slot 1 waits, then slot 2: the order they came in
+    threads.append(threading.Thread(target=prompt))
+    threads[-1].start()
+    for t in threads:
+        t.join(timeout=30)
+    first = ctx.steps[:3]
+    if ahead == 512:
+        assert first[:2] == [[0] * 64] * 2
+        assert first[2][:32] == [0] * 32 and sorted(first[2][32:]) == [1] * 3 + [2] * 3
+    else:
+        assert first == [[0] * 64, [1] * 3 + [2] * 3 + [0] * 58, first[2]], first
+        assert first[2][:38] == [0] * 38 and sorted(first[2][38:]) == [1] * 3 + [2] * 3
+    assert sum(map(len, ctx.steps)) == 160 + 2 * 4 * 3
 
 
 def test_a_slot_refuses_what_cannot_share_a_step(shared):
@@ -337,10 +383,7 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
         threads.append(threading.Thread(target=predict, args=(2,)))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        _together(threads)
         assert answers == {i: alone[i].text for i in range(3)}
         assert usage[2].accepted_prediction_tokens == N and \
             usage[2].rejected_prediction_tokens == 0

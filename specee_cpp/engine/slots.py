@@ -4,13 +4,14 @@ Each slot is a sequence of the target's context (``LoadConfig.n_seq``: one KV ca
 tokens per slot) driven by its own thread, running a strategy unchanged: the strategy sees a
 :class:`SlotLLM` whose target context is a :class:`SlotContext`, a view that hands each
 decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``llama_decode``
-as soon as every slot in use is waiting on it, with the waiting slots' rows in arrival order
-(a decode's whole, a prompt's as far as the step has room), so the slots advance together,
-a step of four clients costing about what a small verification batch costs. A slot's draft
-and its verification are its own (mode spec drafts from the slot's context and prediction,
-no draft model). A step holds at most ``SLOT_STEP`` rows (config.py says why); a slot's
-prompt fills the room the others leave in it, so a long prompt shares each step with the
-others' tokens instead of stalling them, and goes on in the next steps.
+as soon as every slot in use is waiting on it, with the waiting slots' rows (a decode's
+whole, a prompt's as far as the step has room), so the slots advance together, a step of
+four clients costing about what a small verification batch costs. A slot's draft and its
+verification are its own (mode spec drafts from the slot's context and prediction, no draft
+model). A step holds at most ``SLOT_STEP`` rows (config.py says why). A new prompt's rows go
+first, so its first token waits on no one's verification (a step's rows cost about the same
+each, whoever they are for); past ``SLOT_PROMPT_AHEAD`` of them in a row the others go first
+for a step, the prompt filling the room they leave, so a long prompt does not stall them.
 
 What makes a slot's rows its own: every step is a batch the row kernels take, whose rows
 equal the same tokens decoded one at a time, and the cache keeps each slot's cells in a
@@ -33,7 +34,7 @@ import threading
 import numpy as np
 
 from ..bindings import Batch, Context
-from ..config import SLOT_STEP
+from ..config import SLOT_PROMPT_AHEAD, SLOT_STEP
 from ..errors import SpeceeError
 from .llm import LLM
 from .sequence import Sequence
@@ -42,9 +43,12 @@ from .sequence import Sequence
 class SharedDecoder:
     """One ``llama_decode`` a step for the rows of every waiting slot of ``ctx``."""
 
-    def __init__(self, ctx: Context, max_rows: int = SLOT_STEP):
+    def __init__(self, ctx: Context, max_rows: int = SLOT_STEP,
+                 prompt_ahead: int = SLOT_PROMPT_AHEAD):
         self.ctx = ctx
         self.max_rows = min(max_rows, ctx.n_batch)
+        self.prompt_ahead = prompt_ahead
+        self._ahead = 0     # prompt rows gone ahead of waiting slots since they last went first
         self._cond = threading.Condition()
         self._in_use = 0
         self._waiting: dict[int, list[tuple]] = {}     # slot -> rows, in arrival order
@@ -82,12 +86,19 @@ class SharedDecoder:
         return done
 
     def _step_if_ready(self) -> None:
-        """With the lock held: one step once every slot in use waits on one. Slots in
-        arrival order, each one's rows whole; a prompt's rows fill the room that is left."""
+        """With the lock held: one step once every slot in use waits on one. Each slot's
+        rows whole, a prompt's as far as the room left goes; prompts first, until
+        ``prompt_ahead`` of their rows went ahead of the others' (then the others first for
+        a step, the prompts filling the room they leave)."""
         if not self._waiting or len(self._waiting) < self._in_use:
             return
+        waiting = list(self._waiting.items())
+        others = not all(divisible for _, (_, divisible) in waiting)
+        first = others and self._ahead < self.prompt_ahead
+        # prompts first, or once their turn is over last; else in the order the slots came
+        waiting.sort(key=lambda w: w[1][1] != first)
         taken, rows = [], []
-        for slot, (r, divisible) in self._waiting.items():
+        for slot, (r, divisible) in waiting:
             room = self.max_rows - len(rows)
             if room <= 0 or (rows and len(r) > room and not divisible):
                 break          # the next step takes it first
@@ -95,6 +106,10 @@ class SharedDecoder:
                 r = r[:room]
             taken.append((slot, len(rows), len(r)))
             rows += r
+        if first:
+            self._ahead += sum(n for s, _, n in taken if self._waiting[s][1])
+        else:
+            self._ahead = 0
         try:
             self._batch.set_rows(rows)
             self.ctx.decode(self._batch)
