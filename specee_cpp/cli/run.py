@@ -275,10 +275,9 @@ def serve(
             raise SpeceeError(f"--parallel {parallel} runs no draft model (each slot drafts "
                               f"from its context and the prediction): leave out --draft, or "
                               f"serve one request at a time")
-        if flags.mode is not None and not modes.get(flags.mode).runs_in_slots:
-            raise SpeceeError(f"--mode {flags.mode} is not served with --parallel {parallel} "
-                              f"(its staged decode runs one batch layer by layer); serve one "
-                              f"request at a time for it")
+        asked = modes.get(flags.mode) if flags.mode is not None else None
+        if asked is not None and (why := asked.refused_with_slots(parallel)):
+            raise SpeceeError(f"--{why}; serve one request at a time for it")
         if flags.mode is None:   # drafts from the context and the prediction, where they pay
             flags = replace(flags, mode="spec")
         model = _default_pair(model, None)[0]

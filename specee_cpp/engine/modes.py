@@ -73,6 +73,13 @@ class Mode:
         server decoding several requests at once, where no draft model runs."""
         return self.needs_draft
 
+    def refused_with_slots(self, n: int) -> str | None:
+        """Why this mode is not served with ``n`` slots decoding at once (None: it is)."""
+        if n > 1 and not self.runs_in_slots:
+            return (f"mode {self.name} is not served with --parallel {n} (its staged decode "
+                    f"runs one batch layer by layer)")
+        return None
+
     def check(self, llm: LLM, sampling: SamplingConfig) -> None:
         """What every mode's ``start`` would check first: a draft model where the mode needs
         one, greedy decoding where it decodes nothing else. Raised with the offending value."""

@@ -175,11 +175,9 @@ class Server:
         given = extra is not None and (extra.mode is not None or extra.gamma is not None)
         mode = modes.get(extra.mode) if given and extra.mode else cfg.mode
         n = self.worker.slots
-        if n > 1 and not mode.runs_in_slots:
-            # a slot's decodes share each step's batch with the other slots': no staged ones
-            raise FieldError("specee.mode", f"mode {mode.name} is not served with --parallel "
-                             f"{n} (its staged decode runs one batch layer by layer); start "
-                             f"the server with --parallel 1 for it")
+        if why := mode.refused_with_slots(n):
+            raise FieldError("specee.mode", f"{why}; start the server with --parallel 1 "
+                                            f"for it")
         if not given:
             return cfg.mode, cfg.options
         if mode.needs_draft_in(n > 1) and self.llm.draft_path is None:
