@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_wheel import (LLAMA_CPP_PYTHON_VERSION, BuildError, cpu_features,  # noqa: E402
                          home_dir, log, patch_files, patched_tree, print_built)
+from cmake_build import cmake_build  # noqa: E402
 
 # variant -> (CPU flags it needs, as /proc/cpuinfo spells them; its CMake options)
 AVX2_FLAGS = ["avx", "avx2", "fma", "f16c", "bmi2"]
@@ -119,7 +120,6 @@ def build(out_dir: Path, variants: list[str]) -> Path:
         staging = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        jobs = str(os.cpu_count() or 2)
         for name in variants:
             bld = work / f"build-{name}"
             env = dict(os.environ)
@@ -133,16 +133,7 @@ def build(out_dir: Path, variants: list[str]) -> Path:
                 log(f"building libggml-cpu for {name} ({' '.join(VARIANTS[name][1])}); "
                     f"about 1 min on 2 cores")
             t0 = time.time()
-            build_log = work / f"build-{name}.log"
-            with open(build_log, "w") as fh:
-                for cmd in (["cmake", "-S", str(src), "-B", str(bld), *args],
-                            ["cmake", "--build", str(bld), "--config", "Release", "-j", jobs,
-                             "--target", target]):
-                    r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-                    if r.returncode != 0:
-                        tail = build_log.read_text(errors="replace")[-6000:]
-                        raise BuildError(f"{cmd[0]} {cmd[1]} for {name} failed (exit "
-                                         f"{r.returncode}); last lines:\n{tail}")
+            cmake_build(src, bld, args, [target], work / f"build-{name}.log", env, name)
             wanted = "lib*.so*" if name == CLANG else LIBRARY
             found = sorted(p for p in bld.rglob(wanted) if p.is_file())
             if not found:

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_wheel import (LLAMA_CPP_PYTHON_VERSION, PATCH_DIR, BuildError,  # noqa: E402
                          apply_patches, fetch_sdist, home_dir, log, print_built)
 from check_amx_codegen import check_file  # noqa: E402
+from cmake_build import cmake_build  # noqa: E402
 
 # the exactness checks' reference (tests/kernel_checks.py): one-row logits from these
 # unpatched sources, built as one more example program
@@ -108,20 +108,10 @@ def build(out_dir: Path, args: list[str], targets: list[str]) -> Path:
         apply_patches(src, PATCHES)
         add_reference(src)
         bld = work / "build"
-        jobs = str(os.cpu_count() or 2)
         log(f"building {', '.join(targets)} (CMake options: {' '.join(args)}); "
             f"about 4-6 min on 2 cores")
         t0 = time.time()
-        build_log = work / "build.log"
-        with open(build_log, "w") as fh:
-            for cmd in (["cmake", "-S", str(src), "-B", str(bld), *args],
-                        ["cmake", "--build", str(bld), "--config", "Release", "-j", jobs,
-                         "--target", *targets]):
-                r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
-                if r.returncode != 0:
-                    tail = build_log.read_text(errors="replace")[-6000:]
-                    raise BuildError(f"{cmd[0]} {cmd[1]} failed (exit {r.returncode}); "
-                                     f"last lines:\n{tail}")
+        cmake_build(src, bld, args, targets, work / "build.log")
         log(f"built in {time.time() - t0:.0f} s")
         staging = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
