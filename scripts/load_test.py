@@ -205,6 +205,7 @@ def main() -> None:
     lock = threading.Lock()
     try:
         deadline = time.monotonic() + args.seconds
+        began = time.perf_counter()
 
         def client_loop(i: int) -> None:
             c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
@@ -246,6 +247,7 @@ def main() -> None:
                 except openai.APIError as e:
                     rec["status"] = type(e).__name__
                 rec["latency"] = time.perf_counter() - t0
+                rec["start"] = t0 - began
                 rec["hostile"], rec["seq"] = half, seq
                 with lock:
                     results.append(rec)
@@ -312,6 +314,12 @@ def main() -> None:
             [sum(r.get("predicted", (0, 0))[j] for r in ok) for j in (0, 1)]
             if args.prediction else None),
         "server": health, "machine": describe(machine(default_threads())),
+        # each answered request, in the order sent: what the percentiles are made of (a burst
+        # of clients starting together shows in the first ones' waits)
+        "requests": [{"client": r["client"], "start_s": round(r["start"], 2),
+                      "ttft_s": None if r["ttft"] is None else round(r["ttft"], 2),
+                      "latency_s": round(r["latency"], 2), "tokens": r["tokens"]}
+                     for r in sorted(ok, key=lambda r: r["start"])],
     }
     if args.hostile:
         for name, hostile in (("calm", False), ("hostile", True)):

@@ -376,6 +376,12 @@ def test_load_script_loses_nothing(small_model):
         assert s["sent"] >= 2 and s["completed"] == s["sent"] and s["lost"] == 0, s
         assert s["traffic"] == traffic
         assert s["server"]["served"] == s["sent"] and s["server"]["slots"] == slots
+        reqs = s["requests"]
+        assert len(reqs) == s["completed"] and {r["client"] for r in reqs} == {0, 1}, reqs
+        assert [r["start_s"] for r in reqs] == sorted(r["start_s"] for r in reqs)
+        assert all(0 <= r["start_s"] < 3 for r in reqs), reqs
+        timed = [r for r in reqs if r["ttft_s"] is not None]   # None: no text streamed
+        assert timed and all(0 < r["ttft_s"] <= r["latency_s"] for r in timed), reqs
         if sys.platform == "linux":   # weights, KV cache and runtime: nowhere near 2 GiB
             assert 0 < s["server_peak_rss_mib"] < 2048, s
 
