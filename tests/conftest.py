@@ -14,7 +14,7 @@ SMALL_MODEL = "smollm2-135m"
 # Big downloads and builds are shared with the user's cache; everything a test run computes
 # (calibration records, cost models, quantized variants) goes to a fresh home per session,
 # so that a cached result never stands in for code under test.
-_SHARED = ("models", "sdist", "tools", "wheels")
+_SHARED = ("cpu-variants", "models", "sdist", "tools", "wheels")
 
 
 @pytest.fixture(scope="session", autouse=True)
