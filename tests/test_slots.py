@@ -297,9 +297,9 @@ def test_a_new_prompt_goes_first_then_lets_the_others_go_first(ahead):
     for _ in range(3):
         decoder.enter()
     threads = [threading.Thread(target=decodes, args=(i,)) for i in (1, 2)]
-    for t in threads:
+    for waiting, t in enumerate(threads, 1):
         t.start()
-        while len(decoder._waiting) < len(threads[:threads.index(t) + 1]):
+        while len(decoder._waiting) < waiting:
             time.sleep(0.001)       # slot 1 waits, then slot 2: the order they came in
     threads.append(threading.Thread(target=prompt))
     threads[-1].start()
