@@ -107,8 +107,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--draft", args.draft]
     if args.mode:
         cmd += ["--mode", args.mode]
-    if args.parallel > 1:
-        cmd += ["--parallel", str(args.parallel)]
+    cmd += ["--parallel", str(args.parallel)]   # given: the server's default depends on the machine
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     line = p.stdout.readline()

@@ -40,6 +40,12 @@ SLOT_STEP = MAX_FREE_VERIFY
 # others go first for a step: a prompt of up to one batch is read as fast as it is alone (its
 # first token waits on no one's verification), a longer one pauses the others a batch at a time
 SLOT_PROMPT_AHEAD = N_BATCH
+# serve's slots where --parallel is not given (server/slot_count.py): llama-server's default
+# count, taken where a step of that many requests gives at least SLOT_GAIN times the tokens a
+# second of one request at a time on this machine; below it the step's gain is not worth
+# slots' KV caches (n_ctx each) and a fuller step's slower tokens
+SLOT_DEFAULT = 4
+SLOT_GAIN = 1.25
 
 
 # ---- tuning: the constants the decoding logic decides with ----------------------------------

@@ -91,6 +91,20 @@ def prefetch_state(system_info: str, distance: int | None) -> str:
                      f"{1e3 * t_off:.2f} ms without)" for name, on, t_on, t_off in seen)
 
 
+def slots_state() -> str:
+    """How many requests serve decodes at once by default, per model timed on this machine
+    (engine/slot_step.py)."""
+    from .config import SLOT_DEFAULT
+    from .engine.slot_step import measured
+
+    seen = measured()
+    if not seen:
+        return ("not timed yet: serve times a step of several requests on a model's first "
+                "start here and runs slots where it pays")
+    return "; ".join(f"{name}: {n} (a step of {SLOT_DEFAULT} requests gives {g:.1f}x the "
+                     f"tokens a second of one at a time)" for name, n, g in seen)
+
+
 def diagnose() -> tuple[list[tuple[str, str]], bool]:
     rows: list[tuple[str, str]] = []
     ok = True
@@ -110,6 +124,7 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
             ("weight read-ahead", prefetch_state(info["system_info"],
                                                  kernel_switch("READ_AHEAD"))),
             ("huge pages", memory.describe()),
+            ("server slots", slots_state()),
         ]
         from .crash_probe import run_probe
 

@@ -387,11 +387,14 @@ def test_load_script_loses_nothing(small_model):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
-def test_sigterm_ends_a_running_stream_cleanly(small_model):
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_sigterm_ends_a_running_stream_cleanly(small_model, parallel):
     """SIGTERM mid-stream: the stream still ends as streams do (a finish reason, [DONE]),
-    the server exits within seconds, without a traceback."""
+    the server exits within seconds, without a traceback; one request at a time or in a
+    slot of several."""
     p = subprocess.Popen(CLI + ["serve", str(small_model), "--mode", "plain", "--port", "0",
-                                "--n-ctx", str(N_CTX), "--threads", "2"],
+                                "--n-ctx", str(N_CTX), "--threads", "2",
+                                "--parallel", parallel],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         url = p.stdout.readline().split()[-1]

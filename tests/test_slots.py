@@ -323,7 +323,7 @@ def test_a_slot_refuses_what_cannot_share_a_step(shared):
         views[0].dft
     with pytest.raises(SpeceeError, match="gamma 3 drafts with a draft model"):
         views[0].stream("hi", mode="spec", gamma=3)
-    with pytest.raises(SpeceeError, match="--history .* not served in a slot"):
+    with pytest.raises(SpeceeError, match="history drafts .* not served with --parallel 4"):
         views[0].stream("hi", mode="spec", history=True)
     with pytest.raises(SpeceeError, match="sequences must be positive"):
         LoadConfig(n_seq=0)
@@ -354,6 +354,12 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
                             capture_output=True, text=True, timeout=120, env=env)
     assert staged.returncode != 0 and "Traceback" not in staged.stderr
     assert "--mode ee is not served with --parallel 2" in staged.stderr
+    fixed = subprocess.run(cli + ["serve", str(small_model), "--parallel", "2", "--gamma", "4",
+                                  "--port", "0"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert fixed.returncode != 0 and "Traceback" not in fixed.stderr
+    assert "--gamma 4 drafts with a draft model, which the slots of --parallel 2" in \
+        " ".join(fixed.stderr.split())
     p = subprocess.Popen(cli + ["serve", str(small_model), "--parallel", "3", "--port", "0",
                                 "--n-ctx", "512", "--threads", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -389,16 +395,19 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
             usage[2].rejected_prediction_tokens == 0
         health = json.loads(urllib.request.urlopen(url.removesuffix("/v1") + "/health").read())
         assert health["slots"] == 3 and health["served"] == 3
-        req = urllib.request.Request(
-            url + "/chat/completions", method="POST",
-            data=json.dumps({"model": "m", "max_tokens": 2, "specee": {"mode": "ee"},
-                             "messages": [{"role": "user", "content": "hi"}]}).encode(),
-            headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=60)
-        err = json.loads(e.value.read())["error"]
-        assert e.value.code == 400 and err["param"] == "specee.mode"
-        assert "not served with --parallel 3" in err["message"]
+        for specee, param, said in (({"mode": "ee"}, "specee.mode",
+                                     "not served with --parallel 3"),
+                                    ({"gamma": 4}, "specee.gamma",
+                                     "gamma 4 drafts with a draft model")):
+            req = urllib.request.Request(
+                url + "/chat/completions", method="POST",
+                data=json.dumps({"model": "m", "max_tokens": 2, "specee": specee,
+                                 "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            err = json.loads(e.value.read())["error"]
+            assert e.value.code == 400 and err["param"] == param and said in err["message"]
     finally:
         p.terminate()
         _, stderr = p.communicate(timeout=30)

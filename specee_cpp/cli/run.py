@@ -216,6 +216,24 @@ def _predict_command(line: str, m) -> str | None:
     return text
 
 
+def _default_slots(model: str, draft: str | None, config, alone, in_slots,
+                   draft_given: bool):
+    """(loaded LLM, slots, why) for serve without --parallel: loaded with ``draft`` for one
+    slot, and where slots pay here (server/slot_count.py) loaded again without it, its
+    context holding a sequence a slot."""
+    from ..server.slot_count import default_slots
+
+    llm = _load(model, draft, config)
+    n, why = default_slots(llm, alone, *in_slots, draft_given=draft_given)
+    if n > 1:
+        llm.close()
+        try:
+            return _load(model, None, replace(config, n_seq=n)), n, why
+        except SpeceeError as e:   # a KV cache that cannot keep sequences apart
+            return _load(model, draft, config), 1, str(e)
+    return llm, n, why
+
+
 @app.command()
 @with_mode_flags
 def serve(
@@ -230,12 +248,12 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on every route."),
     max_queue: int = typer.Option(16, "--max-queue",
                                   help="Requests that may wait; past it the answer is 429."),
-    parallel: int = typer.Option(1, "--parallel",
-                                 help="Requests decoded at once, each in a slot of one KV "
-                                      "cache (--n-ctx tokens each), their tokens in one batch "
-                                      "a step. Above 1: modes spec (the default; drafts "
-                                      "from the context and the prediction, no draft model) "
-                                      "and plain."),
+    parallel: Optional[int] = typer.Option(
+        None, "--parallel",
+        help="Requests decoded at once, each in a slot of one KV cache (--n-ctx tokens each), "
+             "their tokens in one batch a step. Above 1: modes spec (drafts from the context "
+             "and the prediction, no draft model) and plain. Default: 4 where this machine's "
+             "timing says a step of 4 pays and no draft model would be left out, else 1."),
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
@@ -264,35 +282,40 @@ def serve(
         # an empty key would turn authentication off without a word
         raise SpeceeError("--api-key (or SPECEE_CPP_API_KEY) is empty: give a key, or leave "
                           "both out to serve without one")
-    if parallel < 1:
+    if parallel is not None and parallel < 1:
         raise SpeceeError(f"--parallel {parallel}: at least 1 request at a time")
-    if parallel > 1:
-        # a slot's decodes share each step's batch with the other slots': the target's own
-        # decodes only, no draft model's (its context is not shared) and no staged ones
-        from ..engine import modes
-
-        if draft is not None:
-            raise SpeceeError(f"--parallel {parallel} runs no draft model (each slot drafts "
-                              f"from its context and the prediction): leave out --draft, or "
-                              f"serve one request at a time")
-        asked = modes.get(flags.mode) if flags.mode is not None else None
-        if asked is not None and (why := asked.refused_with_slots(parallel)):
-            raise SpeceeError(f"--{why}; serve one request at a time for it")
-        if flags.mode is None:   # drafts from the context and the prediction, where they pay
-            flags = replace(flags, mode="spec")
-        model = _default_pair(model, None)[0]
-    else:
-        model, draft = _default_pair(model, draft)
+    # a slot's decodes share each step's batch with the other slots': the target's own
+    # decodes only, no draft model's (its context is not shared) and no staged ones; its
+    # default mode drafts from the context and the prediction, where they pay
+    if parallel is not None and parallel > 1 and draft is not None:
+        raise SpeceeError(f"--parallel {parallel} runs no draft model (each slot drafts from "
+                          f"its context and the prediction): leave out --draft, or serve one "
+                          f"request at a time")
+    given_draft = draft
+    model, draft = _default_pair(model, draft) if parallel in (None, 1) \
+        else (_default_pair(model, None)[0], None)
+    # the mode and options of one request at a time, and of a slot of several
+    alone = flags.resolve(draft) if parallel in (None, 1) else None
+    in_slots = (flags if flags.mode is not None else replace(flags, mode="spec")).resolve(None) \
+        if parallel != 1 else None
+    if parallel is not None and parallel > 1 \
+            and (why := in_slots[0].refused_with_slots(parallel, in_slots[1])):
+        raise SpeceeError(f"--{why}; serve one request at a time for it")
     sampling = _sampling(temperature, top_k, top_p, seed)
-    m, opts = flags.resolve(draft)
     # refused before the port is taken
-    config = _load_config(n_ctx, threads, gpu_layers, n_seq=parallel)
+    config = _load_config(n_ctx, threads, gpu_layers, n_seq=parallel or 1)
     # bound before loading, so a taken port is one line now, not after a minute of loading
     try:
         sock = socket.create_server((host, port))
     except OSError as e:
         raise SpeceeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    llm = _load(model, draft, config)
+    if parallel is None:
+        llm, parallel, why = _default_slots(model, draft, config, alone[0], in_slots,
+                                            draft_given=given_draft is not None)
+        err.print(f"[dim]--parallel {parallel} (the default here): {escape(why)}[/dim]")
+    else:
+        llm = _load(model, draft, config)
+    m, opts = in_slots if parallel > 1 else alone
     with llm:
         llm.defer_costs = True   # measured between requests (speculative/idle.py)
         if parallel == 1:   # a slot prepares nothing: it runs no draft model

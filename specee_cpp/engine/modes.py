@@ -73,8 +73,9 @@ class Mode:
         server decoding several requests at once, where no draft model runs."""
         return self.needs_draft
 
-    def refused_with_slots(self, n: int) -> str | None:
-        """Why this mode is not served with ``n`` slots decoding at once (None: it is)."""
+    def refused_with_slots(self, n: int, opts=None) -> str | None:
+        """Why this mode (with ``opts``, where given) is not served with ``n`` slots decoding
+        at once (None: it is)."""
         if n > 1 and not self.runs_in_slots:
             return (f"mode {self.name} is not served with --parallel {n} (its staged decode "
                     f"runs one batch layer by layer)")

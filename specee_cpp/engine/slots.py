@@ -210,6 +210,11 @@ class SlotLLM:
         return self.tgt.ctx.n_ctx
 
     @property
+    def n_slots(self) -> int:
+        """The slots decoding at once (this one among them)."""
+        return self._llm.tgt.n_seq
+
+    @property
     def dft(self):
         raise SpeceeError("a draft model is not run in a slot shared with other requests")
 

@@ -188,6 +188,9 @@ class Server:
             if "gamma" not in {f.name for f in fields(options)}:
                 raise SpeceeError(f"specee.gamma applies to mode spec, not {mode.name}")
             options = replace(options, gamma=parse_gamma(str(extra.gamma)))
+            if why := mode.refused_with_slots(n, options):
+                raise FieldError("specee.gamma", f"{why}; start the server with --parallel 1 "
+                                                 f"for it")
         return mode, options
 
     async def serve(self, body, request: Request, prompt, chat: bool):

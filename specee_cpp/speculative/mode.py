@@ -447,6 +447,17 @@ class Spec(Mode):
     def needs_draft_in(self, slot: bool) -> bool:
         return not slot   # a slot drafts from its context and the prediction only
 
+    def refused_with_slots(self, n: int, opts=None) -> str | None:
+        if n > 1 and opts is not None:
+            if opts.gamma not in NEEDS_COSTS:
+                return (f"gamma {opts.gamma} drafts with a draft model, which the slots of "
+                        f"--parallel {n} do not run (gamma auto or stop draft from the "
+                        f"context and the prediction)")
+            if opts.history:
+                return (f"history drafts from one user's earlier outputs: not served with "
+                        f"--parallel {n}, whose slots serve anyone's requests")
+        return super().refused_with_slots(n, opts)
+
     def start(self, llm, sampling, opts):
         if in_a_slot(llm):
             return self._in_slot(llm, sampling, opts)
@@ -563,13 +574,8 @@ class Spec(Mode):
         that step's time over the slots' tokens, less than a plain step of one sequence:
         drafts have to be likelier to hold than alone before they pay, which the dearer
         prices ask of them."""
-        if opts.gamma not in NEEDS_COSTS:
-            raise SpeceeError(f"gamma {opts.gamma} drafts with a draft model, which a slot of "
-                              f"--parallel does not run; gamma auto or stop draft from the "
-                              f"context and the prediction")
-        if opts.history:
-            raise SpeceeError("--history drafts from one user's earlier outputs: not served "
-                              "in a slot of --parallel, whose requests may be anyone's")
+        if why := self.refused_with_slots(llm.n_slots, opts):
+            raise SpeceeError(why)
         return self._context_only(llm, sampling, opts, "a slot of several: drafts from the "
                                   "context and the prediction, no draft model")
 
