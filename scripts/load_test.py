@@ -209,7 +209,8 @@ def main() -> None:
         def client_loop(i: int) -> None:
             c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
             k, seq, half = i, 0, False
-            while time.monotonic() < deadline:
+            # a request is sent only before the end, by the clock its start is read on
+            while (t0 := time.perf_counter()) - began < args.seconds:
                 if hostile_on.is_set() and not half:
                     # the hostile half replays the calm half's prompts in the same order, so
                     # that each request can be set against its twin
@@ -219,7 +220,6 @@ def main() -> None:
                          if args.prediction else {})
                 k += args.clients
                 seq += 1
-                t0 = time.perf_counter()
                 rec = {"client": i, "ok": False, "status": None, "ttft": None, "tokens": 0}
                 try:
                     stream = c.chat.completions.create(

@@ -379,7 +379,7 @@ def test_load_script_loses_nothing(small_model):
         reqs = s["requests"]
         assert len(reqs) == s["completed"] and {r["client"] for r in reqs} == {0, 1}, reqs
         assert [r["start_s"] for r in reqs] == sorted(r["start_s"] for r in reqs)
-        assert all(0 <= r["start_s"] < 3 for r in reqs), reqs
+        assert all(0 <= r["start_s"] <= 3 for r in reqs), reqs   # before the end, to 0.01 s
         timed = [r for r in reqs if r["ttft_s"] is not None]   # None: no text streamed
         assert timed and all(0 < r["ttft_s"] <= r["latency_s"] for r in timed), reqs
         if sys.platform == "linux":   # weights, KV cache and runtime: nowhere near 2 GiB

@@ -274,6 +274,22 @@ class _Recorder:
         self.steps.append([seq for _, _, seq, _ in batch.rows()])
 
 
+def test_a_step_holds_the_lock_that_cache_edits_take():
+    """A slot that has left the steps may still cut its cache while the others' step runs:
+    the step holds the decoder's lock, which cache edits take, so the edit waits for it."""
+    held = []
+
+    class Held(_Recorder):
+        def decode(self, batch):
+            held.append(decoder.lock.locked())
+
+    decoder = SharedDecoder(Held())
+    decoder.enter()
+    decoder.decode(0, [(1, 0, 0, True)])
+    decoder.leave()
+    assert held == [True]
+
+
 @pytest.mark.parametrize("ahead", [512, 64])
 def test_a_new_prompt_goes_first_then_lets_the_others_go_first(ahead):
     """Slots 1 and 2 wait with 3 rows each when slot 0's prompt of 160 rows arrives: its rows

@@ -24,8 +24,10 @@ prompts, which round differently from the row kernels.
 
 Between two steps no decode runs: that is when each slot reads its outputs and cuts its
 cache, one slot at a time (``SharedDecoder.lock``: llama.cpp's reads and cache edits are not
-safe from two threads at once). Only decodes that go through a sequence are batched: the staged
-decode of early exit runs one batch layer by layer and is refused in a slot.
+safe from two threads at once). A step holds the lock too: a slot that has left the steps
+(``leave``) and edits its cache then waits for the step in flight instead of racing it.
+Only decodes that go through a sequence are batched: the staged decode of early exit runs
+one batch layer by layer and is refused in a slot.
 """
 from __future__ import annotations
 
@@ -112,7 +114,8 @@ class SharedDecoder:
             self._ahead = 0
         try:
             self._batch.set_rows(rows)
-            self.ctx.decode(self._batch)
+            with self.lock:   # a cache edit from a slot no longer in use waits for the step
+                self.ctx.decode(self._batch)
             self.steps += 1
             failed = None
         except BaseException as e:    # every slot of the step gets it: the step did not run
