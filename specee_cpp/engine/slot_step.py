@@ -1,10 +1,11 @@
 """How much a step of several requests' tokens costs against a step of one, on this machine.
 
 Slots pay by batching: a step of several requests' tokens costs less than as many steps of
-one, by how much depends on the machine (on a 2-core CPU a step of 4 rows costs about two
-one-token steps, on a GPU about one). The first start of a server on a model on a machine
-times one-token decodes against steps of ``SLOT_DEFAULT`` rows, in turn (a second or two),
-and caches the timing beside the cost tables; ``server/slot_count.py`` decides with it.
+one, by how much depends on the machine (on a 2-core Zen 4 a step of 4 rows cost about two
+one-token steps, less where a machine's batches are flatter). The first start of a server on
+a model on a machine times one-token decodes against steps of ``SLOT_DEFAULT`` rows, in turn
+(a second or two), and caches the timing beside the cost tables; ``server/slot_count.py``
+decides with it.
 """
 from __future__ import annotations
 
