@@ -331,6 +331,46 @@ def test_a_new_prompt_goes_first_then_lets_the_others_go_first(ahead):
     assert sum(map(len, ctx.steps)) == 160 + 2 * 4 * 3
 
 
+def test_a_prompt_goes_first_whole_however_many_prompts_went_before():
+    """The others' turn comes after ``prompt_ahead`` prompt rows that went ahead of them
+    since they last had a step, not since the server started: slot 0 reads a prompt of 300
+    rows, answers, then reads one of 400 while slot 1 verifies 40 rows a step; each prompt
+    up to one batch goes whole before slot 1's next verification."""
+    ctx = _Recorder()
+    decoder = SharedDecoder(ctx, prompt_ahead=512)
+    done = threading.Event()
+
+    def prompt(n, token):
+        rows = [(token, p, 0, p == n - 1) for p in range(n)]
+        while rows:
+            _, k = decoder.decode(0, rows, divisible=True)
+            rows = rows[k:]
+
+    def answers():
+        prompt(300, 1)
+        for p in (300, 301):
+            decoder.decode(0, [(1, p, 0, True)])
+        prompt(400, 2)
+        done.set()
+        decoder.leave()
+
+    def verifies():
+        while not done.is_set():
+            decoder.decode(1, [(3, 0, 1, True)] * 40)
+        decoder.leave()
+
+    decoder.enter()
+    decoder.enter()
+    threads = [threading.Thread(target=f) for f in (verifies, answers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    with_prompt = [s for s in ctx.steps if s.count(0) > 1]
+    assert [s.count(0) for s in with_prompt] == [64] * 4 + [44] + [64] * 6 + [16]
+    assert [s.count(1) for s in with_prompt] == [0] * 11 + [40]
+
+
 def test_a_slot_refuses_what_cannot_share_a_step(shared):
     _, views = slots(shared)
     with pytest.raises(SpeceeError, match="staged decode"):

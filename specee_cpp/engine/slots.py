@@ -50,7 +50,7 @@ class SharedDecoder:
         self.ctx = ctx
         self.max_rows = min(max_rows, ctx.n_batch)
         self.prompt_ahead = prompt_ahead
-        self._ahead = 0     # prompt rows gone ahead of waiting slots since they last went first
+        self._ahead = 0     # prompt rows gone ahead of waiting slots since they last had a step
         self._cond = threading.Condition()
         self._in_use = 0
         self._waiting: dict[int, list[tuple]] = {}     # slot -> rows, in arrival order
@@ -108,9 +108,9 @@ class SharedDecoder:
                 r = r[:room]
             taken.append((slot, len(rows), len(r)))
             rows += r
-        if first:
+        if first and len(taken) < len(waiting):
             self._ahead += sum(n for s, _, n in taken if self._waiting[s][1])
-        else:
+        else:       # every waiting slot had its step: no one is behind a prompt
             self._ahead = 0
         try:
             self._batch.set_rows(rows)
