@@ -371,6 +371,32 @@ def test_a_prompt_goes_first_whole_however_many_prompts_went_before():
     assert [s.count(1) for s in with_prompt] == [0] * 11 + [40]
 
 
+def test_prompts_that_come_together_are_read_one_after_the_other():
+    """Two prompts of 100 rows wait at once: the first to come is read to its end before
+    the other's rows take more than the room it leaves, so its first token waits for its
+    own rows only (prompts that took turns would both wait for all 200)."""
+    ctx = _Recorder()
+    decoder = SharedDecoder(ctx)
+
+    def prompt(slot):
+        rows = [(1, p, slot, p == 99) for p in range(100)]
+        while rows:
+            _, n = decoder.decode(slot, rows[:64], divisible=True)
+            rows = rows[n:]
+        decoder.leave()
+
+    decoder.enter()
+    decoder.enter()
+    threads = [threading.Thread(target=prompt, args=(i,)) for i in (0, 1)]
+    threads[0].start()
+    while not decoder._waiting:
+        time.sleep(0.001)       # slot 0's prompt came first
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=30)
+    assert ctx.steps == [[0] * 64, [0] * 36 + [1] * 28, [1] * 64, [1] * 8], ctx.steps
+
+
 def test_a_slot_refuses_what_cannot_share_a_step(shared):
     _, views = slots(shared)
     with pytest.raises(SpeceeError, match="staged decode"):

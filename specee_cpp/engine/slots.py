@@ -12,6 +12,7 @@ model). A step holds at most ``SLOT_STEP`` rows (config.py says why). A new prom
 first, so its first token waits on no one's verification (the same rows are decoded either
 way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row the others go first for
 a step, the prompt filling the room they leave, so a long prompt does not stall them.
+Prompts that wait together are read in the order they came, each to its end.
 
 What makes a slot's rows its own: every step is a batch the row kernels take, whose rows
 equal the same tokens decoded one at a time, and the cache keeps each slot's cells in a
@@ -54,6 +55,8 @@ class SharedDecoder:
         self._cond = threading.Condition()
         self._in_use = 0
         self._waiting: dict[int, list[tuple]] = {}     # slot -> rows, in arrival order
+        self._reading: dict[int, int] = {}   # slot -> when its prompt came, while read
+        self._prompts = 0
         self._done: dict[int, int | BaseException] = {}
         self._batch = Batch(ctx.n_batch)
         self.steps = 0      # llama_decode calls: how the slots were batched
@@ -79,6 +82,9 @@ class SharedDecoder:
         or where ``divisible`` (a prompt's) the first ones the step had room for."""
         with self._cond:
             self._waiting[slot] = (rows, divisible)
+            if divisible and slot not in self._reading:
+                self._reading[slot] = self._prompts
+                self._prompts += 1
             self._step_if_ready()
             while slot not in self._done:
                 self._cond.wait()
@@ -97,8 +103,10 @@ class SharedDecoder:
         waiting = list(self._waiting.items())
         others = not all(divisible for _, (_, divisible) in waiting)
         first = others and self._ahead < self.prompt_ahead
-        # prompts first, or once their turn is over last; else in the order the slots came
-        waiting.sort(key=lambda w: w[1][1] != first)
+        # prompts first, or once their turn is over last, the one that came first first (its
+        # first token comes as soon as if it were read alone; prompts that took turns would
+        # all wait for the last one's rows); else in the order the slots came
+        waiting.sort(key=lambda w: (w[1][1] != first, self._reading.get(w[0], 0)))
         taken, rows = [], []
         for slot, (r, divisible) in waiting:
             room = self.max_rows - len(rows)
@@ -121,7 +129,9 @@ class SharedDecoder:
         except BaseException as e:    # every slot of the step gets it: the step did not run
             failed = e
         for slot, at, n in taken:
-            del self._waiting[slot]
+            r, divisible = self._waiting.pop(slot)
+            if failed is not None or (divisible and n == len(r) and r[-1][3]):
+                self._reading.pop(slot, None)   # read to its last row, or never will be
             self._done[slot] = (at, n) if failed is None else failed
         self._cond.notify_all()
 
