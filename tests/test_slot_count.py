@@ -14,6 +14,7 @@ import pytest
 from specee_cpp.config import SLOT_DEFAULT, SLOT_GAIN, LoadConfig
 from specee_cpp.engine import modes, slot_step
 from specee_cpp.engine.llm import LLM
+from specee_cpp.engine.timing import cache_file
 from specee_cpp.server import slot_count
 from specee_cpp.speculative.mode import SpecOptions
 
@@ -74,14 +75,14 @@ def test_the_step_is_timed_once_a_machine_then_read_back(small_model):
     with LLM(small_model, config=LoadConfig(n_ctx=256, n_threads=2)) as llm:
         from specee_cpp.provenance import machine
 
-        cache = slot_step.home() / "costs" / slot_step._cache_name(
-            llm.model.path, machine(llm.config.threads))
+        cache = cache_file("slot-step", slot_step.VERSION, llm.model.path,
+                           machine(llm.config.threads))
         cache.unlink(missing_ok=True)
         seen, source = slot_step.step_timing(llm)
         assert source == "measured on this machine now" and cache.is_file()
         assert seen["rows"] == SLOT_DEFAULT and seen["one"] > 0 and seen["step"] > 0
         again, source = slot_step.step_timing(llm)
-        assert again == seen and source == "measured on this machine"
+        assert again == seen and source == f"measured on this machine ({cache.name})"
     from specee_cpp.doctor import slots_state
 
     said = slots_state()
@@ -118,7 +119,7 @@ def test_serve_says_how_many_slots_it_runs_and_why(small_model):
     the test does not depend on the machine) and says at start what it chose."""
     from specee_cpp.provenance import machine
 
-    cache = slot_step.home() / "costs" / slot_step._cache_name(small_model, machine(2))
+    cache = cache_file("slot-step", slot_step.VERSION, small_model, machine(2))
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="300")
     try:
         for step, expect, said in ((2.0, f"(mode spec, {SLOT_DEFAULT} slots)",

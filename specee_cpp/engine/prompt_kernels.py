@@ -18,8 +18,8 @@ import json
 import time
 
 from ..config import COST_PROMPT, PROMPT_KERNEL_MARGIN, PROMPT_KERNEL_ROWS
-from ..paths import home, write_text_atomic
-from .timing import Steps, measured_here, run_steps, time_in_turn_steps
+from ..paths import write_text_atomic
+from .timing import Steps, cache_file, measured_here, run_steps, time_in_turn_steps
 
 VERSION = 1          # part of the cache key: a changed method measures again
 EVERY_BATCH = 1 << 30   # a row limit no batch reaches
@@ -94,24 +94,20 @@ def choose(seen: dict) -> bool:
 def prompt_kernels_known(llm) -> bool:
     """Whether the prompt kernels of ``llm``'s target are measured on this machine (or no
     switch applies to it): a cost table keyed by them can be looked up."""
-    from ..provenance import machine
-
     names = _applies(llm)
     if not names:
         return True
     try:
-        seen = json.loads(_cache(llm.model.path, machine(llm.config.threads))
-                          .read_text(encoding="utf-8"))
+        seen = json.loads(_cache(llm).read_text(encoding="utf-8"))
         return all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names)
     except (OSError, ValueError, TypeError, AttributeError):
         return False
 
 
-def _cache(model_path, where: dict):
-    from ..provenance import machine_id
+def _cache(llm):
+    from ..provenance import machine
 
-    return home() / "costs" / (f"prompt-kernels-{model_path.stem[:40]}-{model_path.stat().st_size}"
-                               f"-m{machine_id(where)}-v{VERSION}.json")
+    return cache_file("prompt-kernels", VERSION, llm.model.path, machine(llm.config.threads))
 
 
 def _applies(llm) -> list[str]:
@@ -137,12 +133,11 @@ def prompt_kernels(llm, measure: bool = False, progress=None) -> dict[str, str]:
 def prompt_kernels_steps(llm, measure: bool = False, progress=None) -> Steps:
     """:func:`prompt_kernels`, a measurement taken a batch at a time."""
     from ..bindings import set_kernel_switch
-    from ..provenance import machine
 
     names = _applies(llm)
     if not names:
         return {}
-    cache = _cache(llm.model.path, machine(llm.config.threads))
+    cache = _cache(llm)
     try:
         seen = json.loads(cache.read_text(encoding="utf-8"))
         source = f"measured on this machine ({cache.name})"

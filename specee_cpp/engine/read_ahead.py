@@ -11,12 +11,10 @@ tables. ``SPECEE_CPP_READ_AHEAD`` set by hand wins over both.
 """
 from __future__ import annotations
 
-import json
 import time
 
-from ..config import COST_PROMPT, READ_AHEAD_BYTES, READ_AHEAD_MARGIN
-from ..paths import home, write_text_atomic
-from .timing import measured_here, time_in_turn
+from ..config import READ_AHEAD_BYTES, READ_AHEAD_MARGIN
+from .timing import cached_timing, measured_here, time_in_turn
 
 VERSION = 1   # part of the cache key: a changed method measures again
 
@@ -52,15 +50,6 @@ def choose(seen: dict) -> int:
     return seen["distance"] if seen["on"] < (1.0 - READ_AHEAD_MARGIN) * seen["off"] else 0
 
 
-def _cache_name(model_path, where: dict) -> str:
-    """The measurement's file for a model (name and size: no hash of a GB file at every
-    load) on a machine."""
-    from ..provenance import machine_id
-
-    return (f"read-ahead-{model_path.stem[:40]}-{model_path.stat().st_size}"
-            f"-m{machine_id(where)}-v{VERSION}.json")
-
-
 def measured() -> list[tuple[str, bool, float, float]]:
     """What was measured on this machine, at any thread count: (model, with its thread
     count where not the default; on?; seconds a token on; off) each."""
@@ -71,25 +60,6 @@ def measured() -> list[tuple[str, bool, float, float]]:
         except (KeyError, TypeError):
             continue
     return out
-
-
-def _seen(llm) -> tuple[dict, str]:
-    """This machine's timing for the target (cached, else measured now and cached), and
-    where it came from."""
-    from ..provenance import machine
-
-    cache = home() / "costs" / _cache_name(llm.model.path, machine(llm.config.threads))
-    try:
-        seen = json.loads(cache.read_text(encoding="utf-8"))
-        if {"on", "off", "distance"} <= set(seen):
-            return seen, f"measured on this machine ({cache.name})"
-    except (OSError, ValueError, TypeError):
-        pass   # none yet, torn or another layout: measure
-    raw = llm.prompt_tokens(COST_PROMPT, chat=False)
-    tokens = (raw * (64 // len(raw) + 1))[:64]
-    seen = time_read_ahead(llm.model, llm.config.threads, tokens, READ_AHEAD_BYTES)
-    write_text_atomic(cache, json.dumps(seen))
-    return seen, "measured on this machine now"
 
 
 def read_ahead(llm) -> tuple[int | None, str]:
@@ -106,7 +76,9 @@ def read_ahead(llm) -> tuple[int | None, str]:
         return None, "not in this library (patches 0013 and 0014, x86 CPU backend)"
     if llm.config.n_gpu_layers:
         return 0, "off: the weights are on the GPU"
-    seen, source = _seen(llm)
+    seen, source = cached_timing(
+        llm, "read-ahead", VERSION, lambda seen: {"on", "off", "distance"} <= set(seen),
+        lambda tokens: time_read_ahead(llm.model, llm.config.threads, tokens, READ_AHEAD_BYTES))
     distance = choose(seen)
     set_kernel_switch("READ_AHEAD", distance)
     return distance, (f"{source}: a token {1e3 * seen['on']:.2f} ms with it, "

@@ -9,12 +9,10 @@ decides with it.
 """
 from __future__ import annotations
 
-import json
 import time
 
-from ..config import COST_PROMPT, SLOT_DEFAULT, SLOT_GAIN
-from ..paths import home, write_text_atomic
-from .timing import measured_here, time_calls
+from ..config import SLOT_DEFAULT, SLOT_GAIN
+from .timing import cached_timing, measured_here, time_calls
 
 VERSION = 1   # part of the cache key: a changed method measures again
 
@@ -70,27 +68,10 @@ def measured() -> list[tuple[str, int, float]]:
     return out
 
 
-def _cache_name(model_path, where: dict) -> str:
-    from ..provenance import machine_id
-
-    return (f"slot-step-{model_path.stem[:40]}-{model_path.stat().st_size}"
-            f"-m{machine_id(where)}-v{VERSION}.json")
-
-
 def step_timing(llm) -> tuple[dict, str]:
     """This machine's timing for the target (cached, else measured now and cached), and where
     it came from."""
-    from ..provenance import machine
-
-    cache = home() / "costs" / _cache_name(llm.model.path, machine(llm.config.threads))
-    try:
-        seen = json.loads(cache.read_text(encoding="utf-8"))
-        if {"one", "step", "rows"} <= set(seen) and seen["rows"] == SLOT_DEFAULT:
-            return seen, "measured on this machine"
-    except (OSError, ValueError, TypeError):
-        pass   # none yet, torn or another layout: measure
-    raw = llm.prompt_tokens(COST_PROMPT, chat=False)
-    tokens = (raw * (64 // len(raw) + 1))[:64]
-    seen = time_step(llm.model, llm.config.threads, tokens)
-    write_text_atomic(cache, json.dumps(seen))
-    return seen, "measured on this machine now"
+    return cached_timing(
+        llm, "slot-step", VERSION,
+        lambda seen: {"one", "step", "rows"} <= set(seen) and seen["rows"] == SLOT_DEFAULT,
+        lambda tokens: time_step(llm.model, llm.config.threads, tokens))

@@ -75,6 +75,39 @@ def time_in_turn_steps(runs: dict, batch, tokens: list[int], pos: int, decodes: 
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def cache_file(prefix: str, version: int, model_path, where: dict):
+    """Where a timing ``prefix`` of a model on a machine (``provenance.machine``) is cached,
+    beside the cost tables: the model by name and size (no hash of a GB file at every
+    load), in the name :func:`measured_here` reads back."""
+    from ..paths import home
+    from ..provenance import machine_id
+
+    return home() / "costs" / (f"{prefix}-{model_path.stem[:40]}-{model_path.stat().st_size}"
+                               f"-m{machine_id(where)}-v{version}.json")
+
+
+def cached_timing(llm, prefix: str, version: int, fits: Callable[[dict], bool],
+                  measure: Callable[[list[int]], dict]) -> tuple[dict, str]:
+    """This machine's timing ``prefix`` of ``llm``'s target: the cached one where it
+    ``fits``, else ``measure`` run now after 64 tokens of the cost prompt, and cached; and
+    where it came from."""
+    from ..config import COST_PROMPT
+    from ..paths import write_text_atomic
+    from ..provenance import machine
+
+    cache = cache_file(prefix, version, llm.model.path, machine(llm.config.threads))
+    try:
+        seen = json.loads(cache.read_text(encoding="utf-8"))
+        if fits(seen):
+            return seen, f"measured on this machine ({cache.name})"
+    except (OSError, ValueError, TypeError):
+        pass   # none yet, torn or another layout: measure
+    raw = llm.prompt_tokens(COST_PROMPT, chat=False)
+    seen = measure((raw * (64 // len(raw) + 1))[:64])
+    write_text_atomic(cache, json.dumps(seen))
+    return seen, "measured on this machine now"
+
+
 def measured_here(prefix: str, version: int) -> Iterator[tuple[str, dict]]:
     """The cached timings ``<prefix>-<model>-m<machine>-v<version>.json`` of this machine at
     any thread count, as (model, with its thread count where not the default; the timing).

@@ -50,5 +50,5 @@ def default_slots(llm, alone, in_slot, opts, draft_given: bool) -> tuple[int, st
     g = gain(seen)
     cost = f"a step of {n} requests costs {seen['step'] / seen['one']:.1f} one-token steps"
     if not pays(seen):
-        return 1, f"{cost} here ({source}): {g:.2f}x the tokens a second, under {SLOT_GAIN}x"
-    return n, f"{cost} here ({source}): {g:.1f}x the tokens a second of one at a time"
+        return 1, f"{cost} here, {source}: {g:.2f}x the tokens a second, under {SLOT_GAIN}x"
+    return n, f"{cost} here, {source}: {g:.1f}x the tokens a second of one at a time"
