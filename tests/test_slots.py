@@ -379,11 +379,13 @@ def test_prompts_that_come_together_are_read_one_after_the_other():
     decoder = SharedDecoder(ctx)
 
     def prompt(slot):
-        rows = [(1, p, slot, p == 99) for p in range(100)]
-        while rows:
-            _, n = decoder.decode(slot, rows[:64], divisible=True)
+        rows = [(1, p, slot, False) for p in range(100)]
+        while rows:     # in batches of 64 with the last row's logits, as a Sequence feeds it
+            chunk = rows[:63] + [rows[63][:3] + (True,)] if len(rows) > 64 else rows[:64]
+            _, n = decoder.decode(slot, chunk, divisible=True)
             rows = rows[n:]
-        decoder.leave()
+        decoder.decode(slot, [(2, 100, slot, True)])
+        decoder.leave(slot)
 
     decoder.enter()
     decoder.enter()
@@ -394,7 +396,8 @@ def test_prompts_that_come_together_are_read_one_after_the_other():
     threads[1].start()
     for t in threads:
         t.join(timeout=30)
-    assert ctx.steps == [[0] * 64, [0] * 36 + [1] * 28, [1] * 64, [1] * 8], ctx.steps
+    # slot 0's answer waits behind slot 1's prompt rows, which go first
+    assert ctx.steps == [[0] * 64, [0] * 36 + [1] * 28, [1] * 64, [1] * 8 + [0], [1]], ctx.steps
 
 
 def test_a_slot_refuses_what_cannot_share_a_step(shared):

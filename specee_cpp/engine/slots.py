@@ -68,10 +68,12 @@ class SharedDecoder:
         with self._cond:
             self._in_use += 1
 
-    def leave(self) -> None:
-        """A slot is done (its cache cut back): the steps no longer wait for it."""
+    def leave(self, slot: int | None = None) -> None:
+        """A slot is done (its cache cut back): the steps no longer wait for it (nor, given
+        ``slot``, a prompt of its that was cut short: its next one takes its turn anew)."""
         with self._cond:
             self._in_use -= 1
+            self._reading.pop(slot, None)
             self._step_if_ready()
 
     def decode(self, slot: int, rows: list[tuple[int, int, int, bool]],
@@ -82,7 +84,9 @@ class SharedDecoder:
         or where ``divisible`` (a prompt's) the first ones the step had room for."""
         with self._cond:
             self._waiting[slot] = (rows, divisible)
-            if divisible and slot not in self._reading:
+            if not divisible:     # its prompt, if any, is read
+                self._reading.pop(slot, None)
+            elif slot not in self._reading:
                 self._reading[slot] = self._prompts
                 self._prompts += 1
             self._step_if_ready()
@@ -129,9 +133,9 @@ class SharedDecoder:
         except BaseException as e:    # every slot of the step gets it: the step did not run
             failed = e
         for slot, at, n in taken:
-            r, divisible = self._waiting.pop(slot)
-            if failed is not None or (divisible and n == len(r) and r[-1][3]):
-                self._reading.pop(slot, None)   # read to its last row, or never will be
+            del self._waiting[slot]
+            if failed is not None:
+                self._reading.pop(slot, None)
             self._done[slot] = (at, n) if failed is None else failed
         self._cond.notify_all()
 

@@ -204,7 +204,7 @@ class Worker:
             self._steps(job, llm)
         finally:
             if self.decoder is not None:
-                self.decoder.leave()
+                self.decoder.leave(llm.tgt.ctx.seq_id)
 
     def _steps(self, job: Job, llm) -> None:
         after_cancel = 0
