@@ -331,11 +331,13 @@ def test_a_new_prompt_goes_first_then_lets_the_others_go_first(ahead):
     assert sum(map(len, ctx.steps)) == 160 + 2 * 4 * 3
 
 
-def test_a_prompt_goes_first_whole_however_many_prompts_went_before():
+@pytest.mark.parametrize("verifiers", [1, 2])
+def test_a_prompt_goes_first_whole_however_many_prompts_went_before(verifiers):
     """The others' turn comes after ``prompt_ahead`` prompt rows that went ahead of them
     since they last had a step, not since the server started: slot 0 reads a prompt of 300
-    rows, answers, then reads one of 400 while slot 1 verifies 40 rows a step; each prompt
-    up to one batch goes whole before slot 1's next verification."""
+    rows, answers, then reads one of 400 while each other slot verifies 40 rows a step (two
+    such never fit one step); each prompt up to one batch goes whole before the next
+    verification."""
     ctx = _Recorder()
     decoder = SharedDecoder(ctx, prompt_ahead=512)
     done = threading.Event()
@@ -352,23 +354,27 @@ def test_a_prompt_goes_first_whole_however_many_prompts_went_before():
             decoder.decode(0, [(1, p, 0, True)])
         prompt(400, 2)
         done.set()
-        decoder.leave()
+        decoder.leave(0)
 
-    def verifies():
+    def verifies(slot):
         while not done.is_set():
-            decoder.decode(1, [(3, 0, 1, True)] * 40)
-        decoder.leave()
+            decoder.decode(slot, [(3, 0, slot, True)] * 40)
+        decoder.leave(slot)
 
-    decoder.enter()
-    decoder.enter()
-    threads = [threading.Thread(target=f) for f in (verifies, answers)]
+    for _ in range(verifiers + 1):
+        decoder.enter()
+    threads = [threading.Thread(target=verifies, args=(i,)) for i in range(1, verifiers + 1)]
+    threads.append(threading.Thread(target=answers))
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    with_prompt = [s for s in ctx.steps if s.count(0) > 1]
-    assert [s.count(0) for s in with_prompt] == [64] * 4 + [44] + [64] * 6 + [16]
-    assert [s.count(1) for s in with_prompt] == [0] * 11 + [40]
+    at = [i for i, s in enumerate(ctx.steps) if s.count(0) > 1]
+    assert [ctx.steps[i].count(0) for i in at] == [64] * 4 + [44] + [64] * 6 + [16]
+    # the second prompt's steps follow one another, with none of the others' rows but in the
+    # room its last leaves
+    second = ctx.steps[at[5]:at[-1] + 1]
+    assert [len(s) for s in second] == [64] * 6 + [16 + 40], [len(s) for s in second]
 
 
 def test_prompts_that_come_together_are_read_one_after_the_other():

@@ -120,9 +120,10 @@ class SharedDecoder:
                 r = r[:room]
             taken.append((slot, len(rows), len(r)))
             rows += r
-        if first and len(taken) < len(waiting):
-            self._ahead += sum(n for s, _, n in taken if self._waiting[s][1])
-        else:       # every waiting slot had its step: no one is behind a prompt
+        ahead = sum(n for s, _, n in taken if self._waiting[s][1]) if first else 0
+        if ahead and len(taken) < len(waiting):
+            self._ahead += ahead
+        else:   # the others had a step, none of it behind a prompt: no one waits on one
             self._ahead = 0
         try:
             self._batch.set_rows(rows)
