@@ -290,6 +290,29 @@ def test_a_step_holds_the_lock_that_cache_edits_take():
     assert held == [True]
 
 
+def test_a_slot_that_leaves_does_not_run_the_others_step():
+    """Slot 1 waits on slot 0 when slot 0's answer ends: the step slot 0 completes by leaving
+    runs on slot 1's thread, so slot 0's answer is over at once (its client does not wait for
+    the others' step)."""
+    ran_on = []
+
+    class Where(_Recorder):
+        def decode(self, batch):
+            ran_on.append(threading.current_thread().name)
+
+    decoder = SharedDecoder(Where())
+    decoder.enter()
+    decoder.enter()
+    other = threading.Thread(target=decoder.decode, args=(1, [(1, 0, 1, True)]),
+                             name="slot-1")
+    other.start()
+    while not decoder._waiting:
+        time.sleep(0.001)
+    decoder.leave(0)
+    other.join(timeout=30)
+    assert ran_on == ["slot-1"]
+
+
 @pytest.mark.parametrize("ahead", [512, 64])
 def test_a_new_prompt_goes_first_then_lets_the_others_go_first(ahead):
     """Slots 1 and 2 wait with 3 rows each when slot 0's prompt of 160 rows arrives: its rows

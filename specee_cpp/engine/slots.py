@@ -74,7 +74,9 @@ class SharedDecoder:
         with self._cond:
             self._in_use -= 1
             self._reading.pop(slot, None)
-            self._step_if_ready()
+            # a waiting slot runs the step this may complete, not the one leaving: its
+            # answer's end goes to its client now, not after the others' step
+            self._cond.notify_all()
 
     def decode(self, slot: int, rows: list[tuple[int, int, int, bool]],
                divisible: bool = False) -> tuple[int, int]:
@@ -89,21 +91,21 @@ class SharedDecoder:
             elif slot not in self._reading:
                 self._reading[slot] = self._prompts
                 self._prompts += 1
-            self._step_if_ready()
             while slot not in self._done:
-                self._cond.wait()
+                if not self._step_if_ready():
+                    self._cond.wait()
             done = self._done.pop(slot)
         if isinstance(done, BaseException):
             raise done
         return done
 
-    def _step_if_ready(self) -> None:
-        """With the lock held: one step once every slot in use waits on one. Each slot's
-        rows whole, a prompt's as far as the room left goes; prompts first, until
-        ``prompt_ahead`` of their rows went ahead of the others' (then the others first for
-        a step, the prompts filling the room they leave)."""
+    def _step_if_ready(self) -> bool:
+        """With the lock held: one step once every slot in use waits on one (whether it
+        ran). Each slot's rows whole, a prompt's as far as the room left goes; prompts
+        first, until ``prompt_ahead`` of their rows went ahead of the others' (then the
+        others first for a step, the prompts filling the room they leave)."""
         if not self._waiting or len(self._waiting) < self._in_use:
-            return
+            return False
         waiting = list(self._waiting.items())
         others = not all(divisible for _, (_, divisible) in waiting)
         first = others and self._ahead < self.prompt_ahead
@@ -139,6 +141,7 @@ class SharedDecoder:
                 self._reading.pop(slot, None)
             self._done[slot] = (at, n) if failed is None else failed
         self._cond.notify_all()
+        return True
 
 
 class SlotContext:
