@@ -147,28 +147,32 @@ def test_serve_says_how_many_slots_it_runs_and_why(small_model):
 
 @pytest.mark.model
 def test_serve_opens_its_slots_or_falls_back_to_one(small_model, monkeypatch):
-    """Where slots pay, the target is loaded again with a sequence a slot (and without the
-    draft); where its KV cache cannot keep them apart, one request at a time, saying why."""
+    """Where slots pay, the loaded target's context is opened again with a sequence a slot
+    (its weights loaded once) and the draft let go; where its KV cache cannot keep them
+    apart, one request at a time with the draft, saying why."""
+    from specee_cpp.bindings import Context
     from specee_cpp.cli import run
-    from specee_cpp.errors import SpeceeError
 
     monkeypatch.setattr(slot_count, "step_timing",
                         lambda llm: (_timing(2.0), "measured on this machine"))
-    config = LoadConfig(n_ctx=256, n_threads=2)
-    llm, n, why = run._default_slots(str(small_model), None, config, PLAIN,
-                                     (SPEC, SpecOptions()), draft_given=False)
-    with llm:
-        assert n == SLOT_DEFAULT and llm.tgt.n_seq == SLOT_DEFAULT and llm.draft_path is None
-        assert llm.n_ctx == 256
+    loads = []
     load = run._load
+    monkeypatch.setattr(run, "_load", lambda *a: loads.append(load(*a)) or loads[-1])
+    config = LoadConfig(n_ctx=256, n_threads=2)
+    draft = str(small_model)      # the same vocabulary: a draft the slots let go
 
-    def no_slots(model, draft, cfg):
-        if cfg.n_seq > 1:
-            raise SpeceeError(f"{model}: its KV cache cannot keep {cfg.n_seq} sequences apart")
-        return load(model, draft, cfg)
+    def default_slots():
+        return run._default_slots(str(small_model), draft, config, PLAIN,
+                                  (SPEC, SpecOptions()), draft_given=False)
 
-    monkeypatch.setattr(run, "_load", no_slots)
-    llm, n, why = run._default_slots(str(small_model), None, config, PLAIN,
-                                     (SPEC, SpecOptions()), draft_given=False)
+    llm, n, why = default_slots()
+    with llm:
+        assert loads == [llm]
+        assert n == SLOT_DEFAULT and llm.tgt.n_seq == SLOT_DEFAULT and llm.draft_path is None
+        assert llm.n_ctx == 256 and llm.config.n_seq == SLOT_DEFAULT
+    monkeypatch.setattr(Context, "keep_sequences_apart", lambda self, n: False)
+    llm, n, why = default_slots()
     with llm:
         assert n == 1 and llm.tgt.n_seq == 1 and "cannot keep 4 sequences apart" in why
+        assert llm.draft_path is not None and llm.n_ctx == 256
+        assert len(llm.generate("Hi", max_tokens=2).tokens) >= 1   # its context reopened

@@ -219,18 +219,17 @@ def _predict_command(line: str, m) -> str | None:
 def _default_slots(model: str, draft: str | None, config, alone, in_slots,
                    draft_given: bool):
     """(loaded LLM, slots, why) for serve without --parallel: loaded with ``draft`` for one
-    slot, and where slots pay here (server/slot_count.py) loaded again without it, its
-    context holding a sequence a slot."""
+    slot, and where slots pay here (server/slot_count.py) its context opened again with a
+    sequence a slot, without the draft."""
     from ..server.slot_count import default_slots
 
     llm = _load(model, draft, config)
     n, why = default_slots(llm, alone, *in_slots, draft_given=draft_given)
     if n > 1:
-        llm.close()
         try:
-            return _load(model, None, replace(config, n_seq=n)), n, why
+            llm.open_slots(n)
         except SpeceeError as e:   # a KV cache that cannot keep sequences apart
-            return _load(model, draft, config), 1, str(e)
+            return llm, 1, str(e)
     return llm, n, why
 
 

@@ -1,6 +1,7 @@
 """The Python API: load a target (and optionally a draft) and stream generations."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence as Seq
 
@@ -110,10 +111,17 @@ class _Loaded:
                               f"request at a time (--parallel 1)")
         self.seq = Sequence(self.ctx)
 
-    def reopen(self, flash_attn: bool | None) -> None:
-        """A fresh context (empty cache) with this flash-attention setting; weights kept."""
+    def reopen(self, flash_attn: bool | None, n_seq: int | None = None) -> None:
+        """A fresh context (empty cache) with this flash-attention setting and ``n_seq``
+        sequences (default: as before); weights kept. Where the cache cannot keep that many
+        apart, the error, with a context as before."""
         self.ctx.close()
-        self._open(flash_attn, self.n_seq)
+        try:
+            self._open(flash_attn, n_seq or self.n_seq)
+        except SpeceeError:
+            self._open(flash_attn, self.n_seq)
+            raise
+        self.n_seq = n_seq or self.n_seq
 
     def close(self) -> None:
         self.ctx.close()
@@ -196,6 +204,15 @@ class LLM:
         if self._dft is not None:
             self._dft.close()
             self._dft = None
+
+    def open_slots(self, n: int) -> None:
+        """Hold ``n`` sequences in the target's context, ``n_ctx`` tokens each, for slots
+        (engine/slots.py), its weights kept, and let the draft go (a slot runs none). Where
+        its KV cache cannot keep them apart, the error, and one sequence with the draft."""
+        self.tgt.reopen(None, n)
+        self.config = replace(self.config, n_seq=n)
+        self.release_draft()
+        self.draft_path = self.draft_base_path = self.draft_auto = None
 
     def close(self) -> None:
         for loaded in (self.tgt, self._dft):
