@@ -95,19 +95,25 @@ def prompt_kernels_known(llm) -> bool:
     """Whether the prompt kernels of ``llm``'s target are measured on this machine (or no
     switch applies to it): a cost table keyed by them can be looked up."""
     names = _applies(llm)
-    if not names:
-        return True
-    try:
-        seen = json.loads(_cache(llm).read_text(encoding="utf-8"))
-        return all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return False
+    return not names or _measured(llm, names) is not None
 
 
 def _cache(llm):
     from ..provenance import machine
 
     return cache_file("prompt-kernels", VERSION, llm.model.path, machine(llm.config.threads))
+
+
+def _measured(llm, names: list[str]) -> dict | None:
+    """This machine's cached measurement for ``llm``'s target where it holds every switch
+    of ``names``; else None (none yet, torn, or another layout)."""
+    try:
+        seen = json.loads(_cache(llm).read_text(encoding="utf-8"))
+        if all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names):
+            return seen
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return None
 
 
 def _applies(llm) -> list[str]:
@@ -138,12 +144,9 @@ def prompt_kernels_steps(llm, measure: bool = False, progress=None) -> Steps:
     if not names:
         return {}
     cache = _cache(llm)
-    try:
-        seen = json.loads(cache.read_text(encoding="utf-8"))
-        source = f"measured on this machine ({cache.name})"
-        if not all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names):
-            raise ValueError(cache)
-    except (OSError, ValueError, TypeError, AttributeError):
+    seen = _measured(llm, names)
+    source = f"measured on this machine ({cache.name})"
+    if seen is None:
         if not measure:
             return {}
         raw = llm.prompt_tokens(COST_PROMPT, chat=False)
