@@ -526,3 +526,48 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
         p.terminate()
         _, stderr = p.communicate(timeout=30)
     assert "Traceback" not in stderr, stderr
+
+
+def test_a_conversation_s_next_turn_goes_back_to_its_slot(shared):
+    """The server hands a request to the free slot where it leaves the fewest tokens to read
+    again: a conversation's next turn goes back to the slot holding its last turn (its
+    history is not read again), though other slots were free longer, and a new conversation
+    goes to an empty slot, not over another that starts with the same system prompt."""
+    import asyncio
+
+    from specee_cpp.config import SamplingConfig
+    from specee_cpp.engine import modes
+    from specee_cpp.engine.sequence import common_prefix
+    from specee_cpp.server.worker import END, Job, Worker
+
+    plain = modes.get("plain")
+    worker = Worker(shared, max_queue=4)
+
+    async def turn(prompt: list[int]) -> tuple[int, list[int]]:
+        job = Job(prompt=prompt, max_tokens=8, sampling=SamplingConfig(), stops=(),
+                  mode=plain, options=plain.options())
+        worker.submit(job)
+        out = []
+        while (item := await job.events.get()) is not END:
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item.token)
+        return job.slot, out
+
+    async def talk() -> list[int]:
+        a, b = (shared.prompt_tokens(p) for p in PROMPTS[2:0:-1])
+        # the chat template's system prompt, shorter than the rest of a's turn
+        assert 10 < common_prefix(a, b) < len(a) // 2
+        slot_a, out_a = await turn(a)
+        slot_b, out_b = await turn(b)
+        new = shared.model.tokenize(" And then?", add_special=False, parse_special=False)
+        again_a, _ = await turn(a + out_a + new)
+        again_b, _ = await turn(b + out_b + new)
+        return [slot_a, slot_b, again_a, again_b]
+
+    try:
+        slot_a, slot_b, again_a, again_b = asyncio.run(talk())
+    finally:
+        worker.close()
+    assert slot_b != slot_a
+    assert (again_a, again_b) == (slot_a, slot_b)

@@ -1,9 +1,11 @@
-"""The threads that run requests: one, taking them in arrival order, or one per slot.
+"""The threads that run requests: one, or one per slot, taking them in arrival order.
 
-With one slot (the default) a single worker thread owns the model pair and runs each request
-to its end. With ``parallel`` slots each slot's thread takes the next request and runs it on
-its own sequence of the target's context; their decodes meet in one batch a step
-(engine/slots.py), the only place the context is driven from. HTTP handlers (on the event
+With one slot a single worker thread owns the model pair and runs each request to its end.
+With ``parallel`` slots each slot's thread runs the requests handed to it on its own sequence
+of the target's context; their decodes meet in one batch a step (engine/slots.py), the only
+place the context is driven from. A request goes to the free slot whose cache holds most of
+its prompt (a conversation's next turn to its last turn's slot), so that its history is not
+read again. HTTP handlers (on the event
 loop) put a :class:`Job` in a bounded queue and read its steps back from an asyncio queue; a
 job whose client went away is marked cancelled and its slot stops it before the next token
 is decoded (plain and speculative strategies decode only when the next step is asked for).
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from typing import Any
 from ..config import SamplingConfig
 from ..engine.llm import LLM
 from ..engine.modes import Mode
+from ..engine.sequence import common_prefix
 from ..errors import SpeceeError
 
 log = logging.getLogger("specee_cpp.server")
@@ -56,6 +58,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Step | Exception | END
     cancel: threading.Event = field(default_factory=threading.Event)
     cancelled_at: float | None = None   # perf_counter when the client was found gone
+    slot: int | None = None     # the slot it was handed to
 
     def put(self, item: Any) -> None:
         """Hand an item to the handler's event loop (called from the worker thread)."""
@@ -90,7 +93,6 @@ class Worker:
             raise SpeceeError(f"--max-queue must be at least 1, got {max_queue}")
         self.llm = llm
         self.max_queue = max_queue
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self._busy: dict[int, Job] = {}   # id -> a running job
         self._recent: deque[float] = deque(maxlen=8)   # seconds per finished job
         self.counters = Counters()
@@ -107,7 +109,15 @@ class Worker:
             # of several slots: the costs come from `specee-cpp costs`
             self.decoder, views = slots(llm)
             self.idle = None
-        self._threads = [threading.Thread(target=self._run, args=(view,), daemon=True,
+        self._views = views
+        # jobs go to slots here, under this lock: the queue in arrival order, the free slots
+        # in the order they were freed, the job handed to each slot until it takes it
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._free: list[int] = list(range(len(views)))
+        self._handed: dict[int, Job] = {}
+        self._closing = False
+        self._threads = [threading.Thread(target=self._run, args=(i, view), daemon=True,
                                           name=f"specee-cpp-slot-{i}")
                          for i, view in enumerate(views)]
         for t in self._threads:
@@ -118,12 +128,37 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue ``job``, or raise :class:`QueueFull` when ``max_queue`` jobs already wait."""
         job.loop = asyncio.get_running_loop()
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            self.counters.refused += 1
-            raise QueueFull(f"server busy: {self.max_queue} requests already wait "
-                            f"(--max-queue {self.max_queue})", self.retry_after()) from None
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                self.counters.refused += 1
+                raise QueueFull(f"server busy: {self.max_queue} requests already wait "
+                                f"(--max-queue {self.max_queue})", self.retry_after())
+            self._queue.append(job)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """With the lock held: hand the queued jobs, first come first, to free slots, each
+        to the free slot where it leaves the fewest tokens to read again (``_kept``), among
+        equals the one free the longest."""
+        while self._queue and self._free:
+            job = self._queue.popleft()
+            slot = max(self._free, key=lambda i: (self._kept(i, job.prompt),
+                                                  -self._free.index(i))) \
+                if len(self._free) > 1 else self._free[0]
+            self._free.remove(slot)
+            self._handed[slot] = job
+            job.slot = slot
+            self._cond.notify_all()
+
+    def _kept(self, slot: int, prompt: list[int]) -> int:
+        """What running ``prompt`` in free slot ``slot`` saves: the start of it that the
+        slot's cache holds is not read now, the rest of the cache is dropped and is read
+        again if its conversation comes back. So a conversation's next turn goes back to its
+        slot, a new one to an empty slot rather than over another conversation that merely
+        starts with the same system prompt."""
+        cached = self._views[slot].tgt.seq.tokens      # the slot is free: its thread waits
+        n = common_prefix(cached, prompt)
+        return n - (len(cached) - n)
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: a slot frees when its job ends, so the mean
@@ -133,7 +168,7 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return len(self._queue)
 
     @property
     def busy(self) -> bool:
@@ -146,56 +181,70 @@ class Worker:
 
     def close(self) -> None:
         """Stop the running jobs and the threads (pending jobs are dropped)."""
-        for job in list(self._busy.values()):
-            job.stop()
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            job.stop()
-            job.put(END)
-        for _ in self._threads:
-            self._jobs.put(None)   # may block briefly if full: the slots are draining it
+        with self._cond:
+            self._closing = True
+            for job in [*self._busy.values(), *self._queue, *self._handed.values()]:
+                job.stop()    # a job handed to a slot but not started ends there
+            for job in self._queue:
+                job.put(END)
+            self._queue.clear()
+            self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=30)
 
     # ---- the slots' threads -----------------------------------------------------------------
 
-    def _run(self, llm) -> None:
-        """One slot: jobs run on ``llm`` (the LLM, or this slot's view of it)."""
+    def _run(self, slot: int, llm) -> None:
+        """Slot ``slot``: jobs run on ``llm`` (the LLM, or this slot's view of it)."""
         served = False
         while True:
-            job = self._next(served)
+            job = self._next(slot, served)
             served = True
             if job is None:
                 return
             if job.cancel.is_set():          # its client left while it waited
                 self.counters.cancelled += 1
+                self._busy.pop(id(job), None)
+                self._free_slot(slot)
                 job.put(END)
                 continue
-            self._busy[id(job)] = job
             t0 = time.perf_counter()
             try:
                 self._generate(job, llm)
             finally:
                 self._busy.pop(id(job), None)
                 self._recent.append(time.perf_counter() - t0)
+                # free before the client hears the end: its next turn finds this slot free
+                self._free_slot(slot)
                 job.put(END)
 
-    def _next(self, served: bool):
-        """The next job (None: close). While none waits, the cost measurement takes the idle
-        time one timed sample at a time (a request that arrives waits for the sample in
-        flight only); before the first request only once none came for IDLE_START_S, so a
-        client that starts with the server gets its first answer at once."""
-        if self.idle is not None and self._jobs.empty():
-            if not served:
-                try:
-                    return self._jobs.get(timeout=IDLE_START_S)
-                except queue.Empty:
-                    pass
-            self.idle.run(stop=lambda: not self._jobs.empty())
-        return self._jobs.get()
+    def _free_slot(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._dispatch()
+
+    def _next(self, slot: int, served: bool) -> Job | None:
+        """The job handed to ``slot`` (None: close). While it has none, the cost
+        measurement takes the idle time one timed sample at a time (a request that arrives
+        waits for the sample in flight only); before the first request only once none came
+        for IDLE_START_S, so a client that starts with the server gets its first answer at
+        once."""
+        def handed() -> bool:
+            return slot in self._handed or self._closing
+
+        with self._cond:
+            if self.idle is not None and not handed():
+                if served or not self._cond.wait_for(handed, timeout=IDLE_START_S):
+                    self._cond.release()   # the measurement runs unlocked: jobs still come
+                    try:
+                        self.idle.run(stop=handed)
+                    finally:
+                        self._cond.acquire()
+            self._cond.wait_for(handed)
+            job = self._handed.pop(slot, None)
+            if job is not None:   # running from now: close() stops it
+                self._busy[id(job)] = job
+            return job
 
     def _generate(self, job: Job, llm) -> None:
         if self.decoder is not None:
