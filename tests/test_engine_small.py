@@ -80,12 +80,16 @@ def test_multi_turn_reuses_cache_without_changing_output(small_llm, small_model)
     history += [{"role": "assistant", "content": first.text},
                 {"role": "user", "content": "And 3+3?"}]
     second = small_llm.generate(history, max_tokens=24)
+    # turn 1's prompt and answer came from the cache (usage's cached_tokens), the rest was read
+    turn_1 = small_llm.prompt_tokens(history[:1])
+    assert len(turn_1) + len(first.tokens) // 2 < second.stats.n_cached < second.stats.n_prompt
     with LLM(small_model, config=LoadConfig(n_ctx=1024, n_threads=2)) as fresh:
         prompt = fresh.prompt_tokens(history)
         assert shortfall(fresh, prompt, second.tokens).max() < BATCH_NOISE
         # the control: the same bookkeeping over cells that hold another conversation
         small_llm.reset()
-        small_llm.generate("Tell me about the moon in detail.", max_tokens=48)
+        moon = small_llm.generate("Tell me about the moon in detail.", max_tokens=48)
+        assert moon.stats.n_cached == 0
         seq = small_llm.tgt.seq
         k = min(len(seq.tokens), len(prompt) - 1)
         seq.tokens[:k] = prompt[:k]

@@ -120,6 +120,8 @@ def test_chat_equals_cli_greedy_streaming_and_not(client, small_model):
         messages=[{"role": "user", "content": PROMPT}]))
     assert text == want["text"] and reason == r.choices[0].finish_reason
     assert usage.completion_tokens == r.usage.completion_tokens
+    # the same prompt again: all of it but its last token (whose logits are read) was cached
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 def test_completion_equals_cli_raw(client, small_model):

@@ -543,15 +543,19 @@ def test_a_conversation_s_next_turn_goes_back_to_its_slot(shared):
     plain = modes.get("plain")
     worker = Worker(shared, max_queue=4)
 
+    cached = []
+
     async def turn(prompt: list[int]) -> tuple[int, list[int]]:
         job = Job(prompt=prompt, max_tokens=8, sampling=SamplingConfig(), stops=(),
                   mode=plain, options=plain.options())
         worker.submit(job)
-        out = []
+        out, last = [], None
         while (item := await job.events.get()) is not END:
             if isinstance(item, BaseException):
                 raise item
             out.append(item.token)
+            last = item
+        cached.append(last.stats.n_cached)
         return job.slot, out
 
     async def talk() -> list[int]:
@@ -571,3 +575,6 @@ def test_a_conversation_s_next_turn_goes_back_to_its_slot(shared):
         worker.close()
     assert slot_b != slot_a
     assert (again_a, again_b) == (slot_a, slot_b)
+    # each next turn read only what its conversation's last turn had not
+    n_a, n_b = (len(shared.prompt_tokens(p)) for p in PROMPTS[2:0:-1])
+    assert cached[0] == cached[1] == 0 and cached[2] > n_a and cached[3] > n_b

@@ -221,7 +221,9 @@ def _stats_line(stats, verbose: bool = False) -> str:
     parts = [f"{stats.n_gen} token{'' if stats.n_gen == 1 else 's'}",
              f"{stats.decode_tps:.1f} tok/s"]
     if verbose:
-        parts.append(f"prefill {stats.n_prompt} tok in {stats.prefill_s:.2f} s")
+        parts.append(f"prefill {stats.n_prompt - stats.n_cached} tok in "
+                     f"{stats.prefill_s:.2f} s"
+                     + (f" ({stats.n_cached} cached)" if stats.n_cached else ""))
     if stats.n_drafted:
         parts.append(f"drafted {stats.n_drafted}, accepted {stats.n_accept} "
                      f"({stats.acceptance:.0%}{_sources(stats.by_source)})" if verbose

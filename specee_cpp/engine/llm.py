@@ -354,11 +354,14 @@ class LLM:
         tokens = self.prompt_tokens(prompt, chat=chat)
         check_fits(len(tokens), max_tokens, self.n_ctx)
         is_eog = (lambda t: False) if ignore_eos else self.model.is_eog
+        seq = self.tgt.seq
+        seq.reused = 0   # a strategy that does not prefill the target reuses nothing
         steps = start(tokens, max_tokens, prediction=predicted) if predicted \
             else start(tokens, max_tokens)
         return stream(steps, piece=self.model.token_to_piece, is_eog=is_eog,
                       max_tokens=max_tokens, n_prompt=len(tokens), stop=tuple(stop),
-                      prediction=predicted if prediction is not None else None)
+                      prediction=predicted if prediction is not None else None,
+                      cached=lambda: seq.reused)
 
     def generate(self, prompt: Prompt, **kw) -> Result:
         """Run :meth:`stream` to the end and return the text, token ids and statistics."""

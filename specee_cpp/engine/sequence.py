@@ -26,6 +26,7 @@ class Sequence:
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.tokens: list[int] = []
+        self.reused = 0     # prompt tokens the last prefill found cached (not decoded)
         self._batch = Batch(ctx.n_batch)
 
     def rewind(self, n_keep: int) -> None:
@@ -115,7 +116,7 @@ class Sequence:
         if not prompt:
             raise SpeceeError("empty prompt")
         # Re-decode at least the last token: its logits are needed and are not cached.
-        n_keep = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        n_keep = self.reused = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         self.rewind(n_keep)
         self.decode(prompt[n_keep:])
         return self.logits() if read else None

@@ -39,6 +39,9 @@ class Stats:
     # with a predicted output: its tokens that appear in the output and those that do not
     # (OpenAI's accepted_/rejected_prediction_tokens); None without one
     prediction: tuple[int, int] | None = None
+    # prompt tokens the target's cache held from the previous generation, not read again
+    # (OpenAI's cached_tokens)
+    n_cached: int = 0
 
     @property
     def decode_tps(self) -> float:
@@ -47,7 +50,9 @@ class Stats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens read per second (those found cached were not read)."""
+        n_read = self.n_prompt - self.n_cached
+        return n_read / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def acceptance(self) -> float | None:
@@ -55,7 +60,8 @@ class Stats:
 
     def as_dict(self) -> dict:
         return {
-            "n_prompt": self.n_prompt, "n_gen": self.n_gen, "n_decode": self.n_decode,
+            "n_prompt": self.n_prompt, "n_cached": self.n_cached, "n_gen": self.n_gen,
+            "n_decode": self.n_decode,
             "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
             "prefill_tps": round(self.prefill_tps, 3), "decode_tps": round(self.decode_tps, 3),
             "n_drafted": self.n_drafted, "n_accept": self.n_accept,
@@ -116,14 +122,16 @@ def stop_at(text: str, stop: tuple[str, ...]) -> int | None:
 
 def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Callable[[int], bool],
            max_tokens: int, n_prompt: int, stop: tuple[str, ...] = (),
-           prediction: list[int] | None = None) -> Iterator[Step]:
+           prediction: list[int] | None = None,
+           cached: Callable[[], int] = lambda: 0) -> Iterator[Step]:
     """Run a strategy until an end-of-generation token, ``max_tokens`` or a stop string.
 
     Yields each step with its text piece; the last step carries ``finish_reason`` and
     ``stats``. An end-of-generation token is reported in the last step with empty text and
     is not counted in ``n_gen``. Text that might be the start of a stop string is held back
     until it is known not to be. With ``prediction`` (the caller's predicted output's
-    tokens) the stats count its tokens that appear in the output.
+    tokens) the stats count its tokens that appear in the output. ``cached()``: the prompt
+    tokens the strategy found in the cache, asked once it has read the prompt.
     """
     emitted: list[int] = []   # with a prediction: the output's tokens
     detok = Detokenizer(piece)
@@ -146,7 +154,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                       by_source={k: list(v) for k, v in by_source.items()},
                       exit_layers=dict(exits), timings=dict(totals), finish_reason=reason,
                       note=note, prediction=prediction_usage(prediction, emitted)
-                      if prediction is not None else None)
+                      if prediction is not None else None, n_cached=cached())
         return replace(step, text=text, finish_reason=reason, stats=stats)
 
     it = iter(steps)

@@ -385,7 +385,8 @@ def _response(done: Transcript, job: Job, ids: dict, chat: bool) -> dict:
 
 def _usage(stats: Stats | None) -> dict:
     p, c = (stats.n_prompt, stats.n_gen) if stats else (0, 0)
-    usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+             "prompt_tokens_details": {"cached_tokens": stats.n_cached if stats else 0}}
     if stats is not None and stats.prediction is not None:
         accepted, rejected = stats.prediction
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
