@@ -1,8 +1,9 @@
 """Load figure for `specee-cpp serve`: N concurrent OpenAI clients for a fixed time, local only.
 
 Starts the server (a free local port), lets each client send streamed chat requests (dev
-prompts, or with ``--traffic code-edit`` edits of held-out HumanEval functions) back to back
-until the time is up (requests already sent are waited for), and reports
+prompts, with ``--traffic code-edit`` edits of held-out HumanEval functions, with
+``--traffic conversation`` two-turn conversations) back to back until the time is up
+(requests already sent are waited for), and reports
 requests completed, refused and lost, latency and time to first token (p50/p95), and the
 server's own counters, as JSON and, with ``--markdown``, as a table with the command that
 made it.
@@ -171,10 +172,12 @@ def main() -> None:
     ap.add_argument("--peer-args", help="more llama-server flags, e.g. '--spec-type ngram-mod'")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--traffic", choices=("chat", "code-edit"), default="chat",
+    ap.add_argument("--traffic", choices=("chat", "code-edit", "conversation"), default="chat",
                     help="chat: Spec-Bench dev first turns (up to 1,500 characters); "
                          "code-edit: edit requests over held-out HumanEval tasks 82-163, "
-                         "each with its whole function (humaneval-edit)")
+                         "each with its whole function (humaneval-edit); conversation: the "
+                         "dev set's two-turn MT-Bench conversations, the second turn sent "
+                         "with the first and its answer (a chat window's next turn)")
     ap.add_argument("--prediction", action="store_true",
                     help="code-edit: send each request's function as its OpenAI "
                          "`prediction` (llama-server has no such field: --peer sends none)")
@@ -199,6 +202,13 @@ def main() -> None:
         prompts = [(p.text, p.prediction) for p in load_humaneval_edit("82-163")]
     else:   # keep prompts short: a chat turn
         prompts = [(r["turns"][0][:1500], "") for r in records(DEV_PROMPTS)]
+    # each request a conversation of one turn, or of several, each turn sent with the ones
+    # before it and their answers
+    if args.traffic == "conversation":
+        talks = [[t[:1500] for t in r["turns"]] for r in records(DEV_PROMPTS)
+                 if len(r["turns"]) > 1]
+    else:
+        talks = [[text] for text, _ in prompts]
     server, url = start_peer(args) if args.peer else start_server(args)
     results: list[dict] = []
     lock = threading.Lock()
@@ -215,41 +225,57 @@ def main() -> None:
                     # the hostile half replays the calm half's prompts in the same order, so
                     # that each request can be set against its twin
                     k, seq, half = i, 0, True
-                prompt, predicted = prompts[k % len(prompts)]
+                turns, predicted = talks[k % len(talks)], prompts[k % len(prompts)][1]
                 extra = ({"prediction": {"type": "content", "content": predicted}}
                          if args.prediction else {})
                 k += args.clients
-                seq += 1
-                rec = {"client": i, "ok": False, "status": None, "ttft": None, "tokens": 0}
-                try:
-                    stream = c.chat.completions.create(
-                        model="m", messages=[{"role": "user", "content": prompt}],
-                        max_tokens=args.max_tokens, temperature=0, stream=True,
-                        stream_options={"include_usage": True}, **extra)
-                    pieces = 0
-                    for chunk in stream:
-                        if chunk.choices and chunk.choices[0].delta.content:
-                            pieces += 1
-                            if rec["ttft"] is None:
-                                rec["ttft"] = time.perf_counter() - t0
-                        if chunk.usage is not None:
-                            rec["tokens"] = chunk.usage.completion_tokens
-                            d = chunk.usage.completion_tokens_details
-                            if args.prediction and d is not None:
-                                rec["predicted"] = (d.accepted_prediction_tokens or 0,
-                                                    d.rejected_prediction_tokens or 0)
-                    # a server that reports no usage: its streamed pieces, a token each
-                    rec["tokens"] = rec["tokens"] or pieces
-                    rec["ok"] = True
-                except openai.APIStatusError as e:
-                    rec["status"] = e.status_code
-                except openai.APIError as e:
-                    rec["status"] = type(e).__name__
-                rec["latency"] = time.perf_counter() - t0
-                rec["start"] = t0 - began
-                rec["hostile"], rec["seq"] = half, seq
-                with lock:
-                    results.append(rec)
+                history: list[dict] = []
+                for turn, text in enumerate(turns):
+                    if turn and (t0 := time.perf_counter()) - began >= args.seconds:
+                        break
+                    seq += 1
+                    messages = history + [{"role": "user", "content": text}]
+                    rec, answer = ask(c, messages, extra, t0)
+                    rec.update(client=i, hostile=half, seq=seq, turn=turn)
+                    with lock:
+                        results.append(rec)
+                    if not rec["ok"]:
+                        break
+                    history = messages + [{"role": "assistant", "content": answer}]
+
+        def ask(c, messages: list[dict], extra: dict, t0: float) -> tuple[dict, str]:
+            """One streamed request: its record (first token, tokens, the prompt tokens the
+            server found cached where it says) and the answer's text."""
+            rec = {"ok": False, "status": None, "ttft": None, "tokens": 0, "cached": None}
+            pieces = []
+            try:
+                stream = c.chat.completions.create(
+                    model="m", messages=messages, max_tokens=args.max_tokens, temperature=0,
+                    stream=True, stream_options={"include_usage": True}, **extra)
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        pieces.append(chunk.choices[0].delta.content)
+                        if rec["ttft"] is None:
+                            rec["ttft"] = time.perf_counter() - t0
+                    if chunk.usage is not None:
+                        rec["tokens"] = chunk.usage.completion_tokens
+                        rec["prompt_tokens"] = chunk.usage.prompt_tokens
+                        p = chunk.usage.prompt_tokens_details
+                        rec["cached"] = p.cached_tokens if p is not None else None
+                        d = chunk.usage.completion_tokens_details
+                        if args.prediction and d is not None:
+                            rec["predicted"] = (d.accepted_prediction_tokens or 0,
+                                                d.rejected_prediction_tokens or 0)
+                # a server that reports no usage: its streamed pieces, a token each
+                rec["tokens"] = rec["tokens"] or len(pieces)
+                rec["ok"] = True
+            except openai.APIStatusError as e:
+                rec["status"] = e.status_code
+            except openai.APIError as e:
+                rec["status"] = type(e).__name__
+            rec["latency"] = time.perf_counter() - t0
+            rec["start"] = t0 - began
+            return rec, "".join(pieces)
 
         hostile_on = threading.Event()
         probes: list[tuple[bool, float]] = []   # (hostile, /health seconds)
@@ -294,6 +320,10 @@ def main() -> None:
     lost = len(results) - len(ok) - len(refused)
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    later = [r["ttft"] for r in ok if r["turn"] and r["ttft"] is not None]
+    said = [r for r in ok if r["turn"] and r["cached"] is not None]
+    cached_share = (round(sum(r["cached"] for r in said) / sum(r["prompt_tokens"] for r in said),
+                          3) if said else None)
     summary = {
         "clients": args.clients, "parallel": args.parallel, "seconds": args.seconds,
         "max_tokens": args.max_tokens, "traffic": args.traffic,
@@ -306,6 +336,11 @@ def main() -> None:
         "ttft_p50_s": round(percentile(ttft, 0.5), 2),
         "ttft_p95_s": round(percentile(ttft, 0.95), 2),
         "mean_tokens": round(statistics.mean([r["tokens"] for r in ok]), 1) if ok else 0,
+        # a conversation's later turns: their first token, and the share of their prompt
+        # tokens the server found cached (None where it does not say)
+        **({"later_turns": len(later), "later_ttft_p50_s": round(percentile(later, 0.5), 2),
+            "later_ttft_p95_s": round(percentile(later, 0.95), 2),
+            "later_cached_share": cached_share} if args.traffic == "conversation" else {}),
         "health_p50_s": round(percentile([t for _, t in probes], 0.5), 3),
         "health_max_s": round(max([t for _, t in probes], default=float("nan")), 3),
         "server_peak_rss_mib": peak,
@@ -317,7 +352,8 @@ def main() -> None:
         # of clients starting together shows in the first ones' waits)
         "requests": [{"client": r["client"], "start_s": round(r["start"], 2),
                       "ttft_s": None if r["ttft"] is None else round(r["ttft"], 2),
-                      "latency_s": round(r["latency"], 2), "tokens": r["tokens"]}
+                      "latency_s": round(r["latency"], 2), "tokens": r["tokens"],
+                      "turn": r["turn"], "cached": r["cached"]}
                      for r in sorted(ok, key=lambda r: r["start"])],
     }
     if args.hostile:
@@ -345,8 +381,11 @@ def main() -> None:
                   f"`specee-cpp serve` on {health['model']} (mode {health['mode']}), "
                   + (f"{args.parallel} requests at a time in one batch a step"
                      if args.parallel > 1 else "one request at a time"))
-        what = ("code edits of HumanEval tasks 82-163" if args.traffic == "code-edit" else
-                "Spec-Bench dev prompts, up to 1,500 characters")
+        what = {"code-edit": "code edits of HumanEval tasks 82-163",
+                "conversation": "the dev set's two-turn MT-Bench conversations, turns up to "
+                                "1,500 characters"}.get(args.traffic,
+                                                        "Spec-Bench dev prompts, up to 1,500 "
+                                                        "characters")
         counters = ("" if args.peer else
                     f"Server counters after the run: served {health['served']}, failed "
                     f"{health['failed']}, cancelled {health['cancelled']}, refused "

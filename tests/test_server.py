@@ -368,7 +368,7 @@ def test_load_script_loses_nothing(small_model):
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
-    for slots, traffic in ((1, "chat"), (2, "code-edit")):
+    for slots, traffic in ((1, "chat"), (2, "code-edit"), (2, "conversation")):
         r = subprocess.run([sys.executable, str(script), str(small_model), "--clients", "2",
                             "--seconds", "3", "--max-tokens", "8", "--parallel", str(slots),
                             "--traffic", traffic],
@@ -386,6 +386,9 @@ def test_load_script_loses_nothing(small_model):
         assert timed and all(0 < r["ttft_s"] <= r["latency_s"] for r in timed), reqs
         if sys.platform == "linux":   # weights, KV cache and runtime: nowhere near 2 GiB
             assert 0 < s["server_peak_rss_mib"] < 2048, s
+        if traffic == "conversation":   # second turns, most of each read from its slot's cache
+            assert s["later_turns"] == sum(r["turn"] == 1 for r in reqs) >= 1, reqs
+            assert s["later_cached_share"] > 0.5, s
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")

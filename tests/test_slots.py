@@ -290,27 +290,42 @@ def test_a_step_holds_the_lock_that_cache_edits_take():
     assert held == [True]
 
 
-def test_a_slot_that_leaves_does_not_run_the_others_step():
-    """Slot 1 waits on slot 0 when slot 0's answer ends: the step slot 0 completes by leaving
-    runs on slot 1's thread, so slot 0's answer is over at once (its client does not wait for
-    the others' step)."""
+def test_every_step_runs_on_one_thread_that_is_no_slot_s(monkeypatch):
+    """Each thread that runs a decode gets an OpenMP team of its own, and more teams than
+    cores slow every decode: the steps run on one thread, never on a slot's (so a slot whose
+    answer ended leaves at once), with steps of both slots and of the one left; the thread
+    ends once no slot is in use, and the next slot in use starts another."""
+    from specee_cpp.engine import slots as slots_module
+
+    monkeypatch.setattr(slots_module, "STEPPER_IDLE_S", 0.05)
     ran_on = []
 
     class Where(_Recorder):
         def decode(self, batch):
+            super().decode(batch)
             ran_on.append(threading.current_thread().name)
 
-    decoder = SharedDecoder(Where())
+    ctx = Where()
+    decoder = SharedDecoder(ctx)
+
+    def slot(i: int, n: int) -> None:
+        for k in range(n):
+            decoder.decode(i, [(1, k, i, True)])
+        decoder.leave(i)
+
     decoder.enter()
     decoder.enter()
-    other = threading.Thread(target=decoder.decode, args=(1, [(1, 0, 1, True)]),
-                             name="slot-1")
-    other.start()
-    while not decoder._waiting:
-        time.sleep(0.001)
-    decoder.leave(0)
-    other.join(timeout=30)
-    assert ran_on == ["slot-1"]
+    _together([threading.Thread(target=slot, args=(i, n), name=f"slot-{i}")
+               for i, n in ((0, 2), (1, 5))])
+    assert [sorted(s) for s in ctx.steps] == [[0, 1], [0, 1], [1], [1], [1]]
+    assert set(ran_on) == {"specee-cpp-steps"}
+    first = decoder._stepper
+    first.join(timeout=30)
+    assert decoder._stepper is None
+    decoder.enter()
+    slot(0, 1)
+    assert ctx.steps[-1] == [0] and ran_on[-1] == "specee-cpp-steps"
+    assert decoder._stepper is not first
 
 
 @pytest.mark.parametrize("ahead", [512, 64])

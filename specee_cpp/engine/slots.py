@@ -3,14 +3,14 @@
 Each slot is a sequence of the target's context (``LoadConfig.n_seq``: one KV cache, n_ctx
 tokens per slot) driven by its own thread, running a strategy unchanged: the strategy sees a
 :class:`SlotLLM` whose target context is a :class:`SlotContext`, a view that hands each
-decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``llama_decode``
-as soon as every slot in use is waiting on it, with the waiting slots' rows (a decode's
-whole, a prompt's as far as the step has room), so the slots advance together, a step of
-four clients costing about what a small verification batch costs. A slot's draft and its
-verification are its own (mode spec drafts from the slot's context and prediction, no draft
-model). A step holds at most ``SLOT_STEP`` rows (config.py says why). A new prompt's rows go
-first, so its first token waits on no one's verification (the same rows are decoded either
-way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row the others go first for
+decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``llama_decode``,
+on a thread of its own, as soon as every slot in use is waiting on it, with the waiting
+slots' rows (a decode's whole, a prompt's as far as the step has room), so the slots advance
+together, a step of four clients costing about what a small verification batch costs. A
+slot's draft and its verification are its own (mode spec drafts from the slot's context and
+prediction, no draft model). A step holds at most ``SLOT_STEP`` rows (config.py says why).
+A new prompt's rows go first, so its first token waits on no one's verification (the same
+rows are decoded either way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row the others go first for
 a step, the prompt filling the room they leave, so a long prompt does not stall them.
 Prompts that wait together are read in the order they came, each to its end.
 
@@ -40,6 +40,9 @@ from ..bindings import Batch, Context
 from ..config import SLOT_PROMPT_AHEAD, SLOT_STEP
 from ..errors import SpeceeError
 from .llm import LLM
+
+# seconds without a slot in use after which the steps' thread ends (a later slot starts one)
+STEPPER_IDLE_S = 1.0
 from .sequence import Sequence
 
 
@@ -62,11 +65,16 @@ class SharedDecoder:
         self.steps = 0      # llama_decode calls: how the slots were batched
         # held by a slot reading its outputs or cutting its cache between steps
         self.lock = threading.Lock()
+        self._stepper: threading.Thread | None = None
 
     def enter(self) -> None:
         """A slot starts decoding: the next step waits for its rows too."""
         with self._cond:
             self._in_use += 1
+            if self._stepper is None:
+                self._stepper = threading.Thread(target=self._run_steps, daemon=True,
+                                                 name="specee-cpp-steps")
+                self._stepper.start()
 
     def leave(self, slot: int | None = None) -> None:
         """A slot is done (its cache cut back): the steps no longer wait for it (nor, given
@@ -74,9 +82,23 @@ class SharedDecoder:
         with self._cond:
             self._in_use -= 1
             self._reading.pop(slot, None)
-            # a waiting slot runs the step this may complete, not the one leaving: its
-            # answer's end goes to its client now, not after the others' step
-            self._cond.notify_all()
+            self._cond.notify_all()     # the others' step may be ready now
+
+    def _run_steps(self) -> None:
+        """The thread every step runs on while slots are in use. One thread, not whichever
+        slot completes a step: each thread that runs a decode gets an OpenMP thread team of
+        its own, and with more of them than cores, OpenMP stops spinning at its barriers,
+        which made every later decode of the process about a fifth slower (2-core Zen 4).
+        It ends once no slot has been in use for STEPPER_IDLE_S."""
+        with self._cond:
+            while True:
+                if self._step_if_ready():
+                    continue
+                if self._in_use:
+                    self._cond.wait()
+                elif not self._cond.wait(STEPPER_IDLE_S) and not self._in_use:
+                    self._stepper = None
+                    return
 
     def decode(self, slot: int, rows: list[tuple[int, int, int, bool]],
                divisible: bool = False) -> tuple[int, int]:
@@ -91,9 +113,9 @@ class SharedDecoder:
             elif slot not in self._reading:
                 self._reading[slot] = self._prompts
                 self._prompts += 1
+            self._cond.notify_all()     # the step may be ready now
             while slot not in self._done:
-                if not self._step_if_ready():
-                    self._cond.wait()
+                self._cond.wait()
             done = self._done.pop(slot)
         if isinstance(done, BaseException):
             raise done
