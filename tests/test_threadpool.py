@@ -45,3 +45,24 @@ def test_the_pool_is_off_by_default(tiny_llama, monkeypatch):
         ctx.close()
     finally:
         model.close()
+
+
+def test_a_thread_gives_back_its_openmp_team_and_decodes_as_before(tiny_llama):
+    """A server's main thread, done loading and measuring, gives back the OpenMP team it
+    decoded with (more teams than cores slow every decode): where the CPU backend runs on
+    OpenMP the team is released, and a decode on that thread afterwards makes a new one and
+    gives the same tokens."""
+    import llama_cpp as ll
+
+    openmp = "OPENMP = 1" in ll.llama_print_system_info().decode(errors="replace")
+    model = Model(tiny_llama)
+    try:
+        a = Context(model, n_ctx=128, n_batch=32, n_threads=2)
+        before = _greedy(a, model)
+        assert _ffi.release_openmp_threads() == openmp
+        b = Context(model, n_ctx=128, n_batch=32, n_threads=2)
+        assert _greedy(b, model) == before
+        for ctx in (a, b):
+            ctx.close()
+    finally:
+        model.close()

@@ -170,3 +170,33 @@ ggml_cpu_specee_set = _optional("ggml_cpu_specee_set", [ctypes.c_char_p, ctypes.
 ggml_cpu_specee_get = _optional("ggml_cpu_specee_get", [ctypes.c_char_p], ctypes.c_int64)
 # void ggml_cpu_init(void): reads SPECEE_CPP_<name> for each switch, once
 ggml_cpu_init = _optional("ggml_cpu_init", [], None)
+
+
+# the OpenMP runtimes a CPU backend may have loaded (GNU, LLVM, Intel), by file name
+_OPENMP_LIBS = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so", "libgomp.1.dylib",
+                "libomp.dylib")
+
+
+def release_openmp_threads() -> bool:
+    """Give back the calling thread's OpenMP thread team (``omp_pause_resource_all``), where
+    the CPU backend runs on an OpenMP runtime already loaded; whether one was released.
+
+    Each thread that runs a decode keeps a team of its own, and where the teams' threads
+    outnumber the cores, libgomp stops spinning at its barriers and every decode of the
+    process slows (by about a fifth on a 2-core VM). A thread that decoded and will not again
+    (a server's main thread, done measuring) calls this; a later decode there makes a new
+    team."""
+    import os
+
+    mode = getattr(os, "RTLD_NOLOAD", None)
+    if mode is None:       # Windows: its OpenMP has no pause; nothing to look up
+        return False
+    for name in _OPENMP_LIBS:
+        try:
+            lib = ctypes.CDLL(name, mode=mode | os.RTLD_LAZY)   # only if already loaded
+            pause = lib.omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause(1) == 0     # omp_pause_soft: the threads go, the runtime stays
+    return False

@@ -10,9 +10,9 @@ together, a step of four clients costing about what a small verification batch c
 slot's draft and its verification are its own (mode spec drafts from the slot's context and
 prediction, no draft model). A step holds at most ``SLOT_STEP`` rows (config.py says why).
 A new prompt's rows go first, so its first token waits on no one's verification (the same
-rows are decoded either way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row the others go first for
-a step, the prompt filling the room they leave, so a long prompt does not stall them.
-Prompts that wait together are read in the order they came, each to its end.
+rows are decoded either way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row
+the others go first for a step, the prompt filling the room they leave, so a long prompt
+does not stall them. Prompts that wait together are read in the order they came, each to its end.
 
 What makes a slot's rows its own: every step is a batch the row kernels take, whose rows
 equal the same tokens decoded one at a time, and the cache keeps each slot's cells in a

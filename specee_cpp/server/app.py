@@ -295,7 +295,7 @@ async def completions(body: CompletionRequest, request: Request,
 
 
 def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
-    """The app serving ``llm``; one worker thread runs its requests in arrival order."""
+    """The app serving ``llm``; the worker's threads run its requests in arrival order."""
     from ..speculative.mode import idle_work
 
     idle = idle_work(llm, cfg.mode, cfg.options,

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bindings._ffi import release_openmp_threads
 from ..config import SamplingConfig
 from ..engine.llm import LLM
 from ..engine.modes import Mode
@@ -91,6 +92,10 @@ class Worker:
     def __init__(self, llm: LLM, max_queue: int = 16, idle=None):
         if max_queue < 1:
             raise SpeceeError(f"--max-queue must be at least 1, got {max_queue}")
+        # the requests decode on the slots' threads (the steps' thread): the thread that
+        # loaded the model, and measured this machine, gives back the OpenMP team it decoded
+        # with, else every decode would run slower (bindings._ffi.release_openmp_threads)
+        release_openmp_threads()
         self.llm = llm
         self.max_queue = max_queue
         self._busy: dict[int, Job] = {}   # id -> a running job
