@@ -183,9 +183,8 @@ def release_openmp_threads() -> bool:
 
     Each thread that runs a decode keeps a team of its own, and where the teams' threads
     outnumber the cores, libgomp stops spinning at its barriers and every decode of the
-    process slows (by about a fifth on a 2-core VM). A thread that decoded and will not again
-    (a server's main thread, done measuring) calls this; a later decode there makes a new
-    team."""
+    process slows. A thread that decoded and will not again (a server's main thread, done
+    measuring) calls this; a later decode there makes a new team."""
     import os
 
     mode = getattr(os, "RTLD_NOLOAD", None)

@@ -12,7 +12,8 @@ prediction, no draft model). A step holds at most ``SLOT_STEP`` rows (config.py 
 A new prompt's rows go first, so its first token waits on no one's verification (the same
 rows are decoded either way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row
 the others go first for a step, the prompt filling the room they leave, so a long prompt
-does not stall them. Prompts that wait together are read in the order they came, each to its end.
+does not stall them. Prompts that wait together are read in the order they came, each to its
+end.
 
 What makes a slot's rows its own: every step is a batch the row kernels take, whose rows
 equal the same tokens decoded one at a time, and the cache keeps each slot's cells in a
@@ -40,10 +41,10 @@ from ..bindings import Batch, Context
 from ..config import SLOT_PROMPT_AHEAD, SLOT_STEP
 from ..errors import SpeceeError
 from .llm import LLM
+from .sequence import Sequence
 
 # seconds without a slot in use after which the steps' thread ends (a later slot starts one)
 STEPPER_IDLE_S = 1.0
-from .sequence import Sequence
 
 
 class SharedDecoder:
@@ -87,9 +88,9 @@ class SharedDecoder:
     def _run_steps(self) -> None:
         """The thread every step runs on while slots are in use. One thread, not whichever
         slot completes a step: each thread that runs a decode gets an OpenMP thread team of
-        its own, and with more of them than cores, OpenMP stops spinning at its barriers,
-        which made every later decode of the process about a fifth slower (2-core Zen 4).
-        It ends once no slot has been in use for STEPPER_IDLE_S."""
+        its own, and where their threads outnumber the cores, OpenMP stops spinning at its
+        barriers, which slows every decode of the process. It ends once no slot has been in
+        use for STEPPER_IDLE_S."""
         with self._cond:
             while True:
                 if self._step_if_ready():
