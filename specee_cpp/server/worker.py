@@ -5,10 +5,10 @@ With ``parallel`` slots each slot's thread runs the requests handed to it on its
 of the target's context; their decodes meet in one batch a step (engine/slots.py), the only
 place the context is driven from. A request goes to the free slot whose cache holds most of
 its prompt (a conversation's next turn to its last turn's slot), so that its history is not
-read again. HTTP handlers (on the event
-loop) put a :class:`Job` in a bounded queue and read its steps back from an asyncio queue; a
-job whose client went away is marked cancelled and its slot stops it before the next token
-is decoded (plain and speculative strategies decode only when the next step is asked for).
+read again. HTTP handlers (on the event loop) put a :class:`Job` in a bounded queue and read
+its steps back from an asyncio queue; a job whose client went away is marked cancelled and
+its slot stops it before the next token is decoded (plain and speculative strategies decode
+only when the next step is asked for).
 """
 from __future__ import annotations
 
@@ -147,6 +147,8 @@ class Worker:
         equals the one free the longest."""
         while self._queue and self._free:
             job = self._queue.popleft()
+            # one free slot is taken unscored: a lone slot may be measuring costs while it
+            # waits (idle), its cache in use, which _kept must not read
             slot = max(self._free, key=lambda i: (self._kept(i, job.prompt),
                                                   -self._free.index(i))) \
                 if len(self._free) > 1 else self._free[0]
