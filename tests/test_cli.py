@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -107,10 +108,28 @@ def test_chat_answers_before_the_costs_are_measured(small_model, tmp_path):
     p = subprocess.Popen(CLI + ["chat", str(small_model), "--draft", str(small_model), "-n",
                                 "12", "--verbose"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    p.stdin.write("Hello!\n")
-    p.stdin.flush()
-    time.sleep(10)            # the user reads the reply: idle time for the measurement
-    _, stderr = p.communicate("/exit\n", timeout=300)
+    try:
+        p.stdin.write("Hello!\n")
+        p.stdin.flush()
+        # the user reads the reply: idle time for the measurement. The first estimate takes
+        # seconds on a quiet machine and far longer on a busy one: wait for its end, not a time
+        seen = []
+        reader = threading.Thread(target=lambda: seen.extend(iter(p.stderr.readline, "")),
+                                  daemon=True)
+        reader.start()
+        deadline = time.time() + 240
+        while (time.time() < deadline and p.poll() is None
+               and "measuring this machine's draft/verify costs" not in "".join(seen)):
+            time.sleep(0.2)
+        if p.poll() is None:
+            p.stdin.write("/exit\n")
+            p.stdin.flush()
+        p.wait(timeout=300)
+        reader.join(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    stderr = "".join(seen)
     assert p.returncode == 0 and "Traceback" not in stderr, stderr
     assert "costs are not measured yet" in stderr, stderr
     before, after = stderr.split("costs are not measured yet", 1)
