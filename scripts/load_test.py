@@ -1,9 +1,12 @@
-"""Load figure for `specee-cpp serve`: N concurrent OpenAI clients for a fixed time, local only.
+"""Load figure for `specee-cpp serve`: N concurrent OpenAI clients, local only.
 
 Starts the server (a free local port), lets each client send streamed chat requests (dev
 prompts, with ``--traffic code-edit`` edits of held-out HumanEval functions, with
 ``--traffic conversation`` two-turn conversations) back to back until the time is up
-(requests already sent are waited for), and reports
+(requests already sent are waited for) or, with ``--requests N``, until each client has sent
+its N (then two servers answer the very same prompts: in a timed run the faster one reaches
+further down the list, into other prompts, and their percentiles are over other requests),
+and reports
 requests completed, refused and lost, latency and time to first token (p50/p95), and the
 server's own counters, as JSON and, with ``--markdown``, as a table with the command that
 made it.
@@ -11,6 +14,7 @@ made it.
     python scripts/load_test.py --clients 4 --seconds 60 [--markdown]
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --seconds 60
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --traffic code-edit --peer
+    python scripts/load_test.py qwen2.5-coder-1.5b --clients 2 --traffic code-edit --requests 12
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --mode spec \
         --traffic code-edit --prediction
     python scripts/load_test.py --clients 8 --seconds 60 --hostile   # second half under attack
@@ -171,6 +175,9 @@ def main() -> None:
                          "--parallel), the same model and clients")
     ap.add_argument("--peer-args", help="more llama-server flags, e.g. '--spec-type ngram-mod'")
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--requests", type=int,
+                    help="each client sends this many requests (conversations), however long "
+                         "they take, instead of sending for --seconds")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--traffic", choices=("chat", "code-edit", "conversation"), default="chat",
                     help="chat: Spec-Bench dev first turns (up to 1,500 characters); "
@@ -187,6 +194,11 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.clients <= 32 or not 1 <= args.seconds <= 600:
         sys.exit("error: --clients must be 1..32 and --seconds 1..600 (a local, bounded test)")
+    if args.requests is not None and not 1 <= args.requests <= 100:
+        sys.exit(f"error: --requests must be 1..100, got {args.requests}")
+    if args.requests is not None and args.hostile:
+        sys.exit("error: --hostile attacks the second half of a timed run: it takes --seconds, "
+                 "not --requests")
 
     import openai
 
@@ -216,11 +228,17 @@ def main() -> None:
         deadline = time.monotonic() + args.seconds
         began = time.perf_counter()
 
+        clients_done = threading.Event()
+
+        def more(t0: float, sent: int) -> bool:
+            """Whether a client sends another request: before the end, by the clock its
+            start is read on, or until it has sent its --requests."""
+            return sent < args.requests if args.requests else t0 - began < args.seconds
+
         def client_loop(i: int) -> None:
             c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
             k, seq, half = i, 0, False
-            # a request is sent only before the end, by the clock its start is read on
-            while (t0 := time.perf_counter()) - began < args.seconds:
+            while more(t0 := time.perf_counter(), (k - i) // args.clients):
                 if hostile_on.is_set() and not half:
                     # the hostile half replays the calm half's prompts in the same order, so
                     # that each request can be set against its twin
@@ -231,8 +249,10 @@ def main() -> None:
                 k += args.clients
                 history: list[dict] = []
                 for turn, text in enumerate(turns):
-                    if turn and (t0 := time.perf_counter()) - began >= args.seconds:
-                        break
+                    if turn:   # a conversation's later turns: all of them, or while in time
+                        t0 = time.perf_counter()
+                        if not args.requests and t0 - began >= args.seconds:
+                            break
                     seq += 1
                     messages = history + [{"role": "user", "content": text}]
                     rec, answer = ask(c, messages, extra, t0)
@@ -282,7 +302,7 @@ def main() -> None:
         big: dict = {}
 
         def probe_loop() -> None:
-            while time.monotonic() < deadline:
+            while not clients_done.is_set() and (args.requests or time.monotonic() < deadline):
                 t0 = time.perf_counter()
                 with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=60):
                     pass
@@ -299,13 +319,16 @@ def main() -> None:
             big.update(json.loads(r.stdout or "{}"))
 
         t_start = time.perf_counter()
-        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
-        threads.append(threading.Thread(target=probe_loop))
+        clients = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+        others = [threading.Thread(target=probe_loop)]
         if args.hostile:
-            threads.append(threading.Thread(target=hostile_loop))
-        for t in threads:
+            others.append(threading.Thread(target=hostile_loop))
+        for t in clients + others:
             t.start()
-        for t in threads:
+        for t in clients:
+            t.join()
+        clients_done.set()
+        for t in others:
             t.join()
         wall = time.perf_counter() - t_start
         with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
@@ -325,7 +348,8 @@ def main() -> None:
     cached_share = (round(sum(r["cached"] for r in said) / sum(r["prompt_tokens"] for r in said),
                           3) if said else None)
     summary = {
-        "clients": args.clients, "parallel": args.parallel, "seconds": args.seconds,
+        "clients": args.clients, "parallel": args.parallel,
+        "seconds": None if args.requests else args.seconds, "requests_each": args.requests,
         "max_tokens": args.max_tokens, "traffic": args.traffic,
         "prediction": args.prediction,
         "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,
@@ -393,8 +417,10 @@ def main() -> None:
         body = (f"Command: `{cmd}`\n\n"
                 f"Machine: {s['machine']}. Server: {served}, from a bounded queue; "
                 f"{s['clients']} clients each send streamed chat requests ({what}, greedy, "
-                f"max_tokens {s['max_tokens']}) back to back for "
-                f"{s['seconds']:.0f} s; requests already sent are waited for.\n\n"
+                f"max_tokens {s['max_tokens']}) back to back "
+                + (f"until each has sent {args.requests}.\n\n" if args.requests else
+                   f"for {s['seconds']:.0f} s; requests already sent are waited for.\n\n")
+                +
                 "| clients | sent | completed | refused (429) | lost | req/s | tokens/s "
                 "| latency p50 / p95 | first token p50 / p95 |\n"
                 "|---|---|---|---|---|---|---|---|---|\n"

@@ -389,6 +389,18 @@ def test_load_script_loses_nothing(small_model):
         if traffic == "conversation":   # second turns, most of each read from its slot's cache
             assert s["later_turns"] == sum(r["turn"] == 1 for r in reqs) >= 1, reqs
             assert s["later_cached_share"] > 0.5, s
+    # a count of requests instead of a time: each client sends exactly its conversations,
+    # every turn of each, however long they take
+    r = subprocess.run([sys.executable, str(script), str(small_model), "--clients", "2",
+                        "--requests", "2", "--max-tokens", "8", "--parallel", "2",
+                        "--traffic", "conversation"],
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["requests_each"] == 2 and s["seconds"] is None, s
+    assert s["sent"] == s["completed"] == s["server"]["served"] == 8, s
+    for client in (0, 1):
+        assert [q["turn"] for q in s["requests"] if q["client"] == client] == [0, 1, 0, 1], s
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
