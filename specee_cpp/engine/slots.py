@@ -22,7 +22,10 @@ slot's keys as a context of its own holds them, whatever the others decode or fr
 answer is therefore the one the same server gives the request when it is alone. Against a
 server of one slot it can still part past 64 prompt tokens, at a near tie: a prompt read
 alone goes in batches of more than 64 rows, through the kernels measured fastest for
-prompts, which round differently from the row kernels.
+prompts, which round differently from the row kernels. Reading a slot's prompt in such
+batches would remove that (and read it about a tenth faster), but the cells they leave keep
+that batch's rounding: a later request that reuses them would answer by the batch an earlier
+one was read in, so a slot's answer would depend on what the slot served before.
 
 Between two steps no decode runs: that is when each slot reads its outputs and cuts its
 cache, one slot at a time (``SharedDecoder.lock``: llama.cpp's reads and cache edits are not
