@@ -23,7 +23,7 @@ answer is therefore the one the same server gives the request when it is alone. 
 server of one slot it can still part past 64 prompt tokens, at a near tie: a prompt read
 alone goes in batches of more than 64 rows, through the kernels measured fastest for
 prompts, which round differently from the row kernels. Reading a slot's prompt in such
-batches would remove that (and read it about a tenth faster), but the cells they leave keep
+batches would remove that (and read it faster on some CPUs), but the cells they leave keep
 that batch's rounding: a later request that reuses them would answer by the batch an earlier
 one was read in, so a slot's answer would depend on what the slot served before.
 
