@@ -37,6 +37,13 @@ QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "Q6_K": (18, 14), "IQ4_NL": (25, 20)
 REL_TOL = 0.15
 
 
+# patch 0018's attention against upstream's on one-row decodes after 600 tokens: the mean
+# |difference| of the logits as a fraction of their spread (measured 0.031-0.038; upstream's
+# tiled attention is as far from its one-pass), and the tokens whose argmax agrees (0.94-0.96)
+ATTN_MEAN_TOL = 0.06
+ATTN_AGREE = 0.85
+
+
 # (n_embd, n_ff, n_head): rows of one or two K-quant super-blocks (256 values), or, "wide",
 # of 5 and 14, so that a kernel's step from one super-block of a row to the next is
 # exercised in every projection, not only in ffn_down
@@ -249,6 +256,209 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
     alone.close()
     model.close()
     print(" ".join(f"{d:.3g}" for d in diffs))
+
+
+def attention_rows(directory: str, quant: str, context: str = "600") -> None:
+    """Patch 0018's attention against upstream's and against itself. One-row decodes after
+    ``context`` tokens: close to upstream's attention (ATTN_ROWS 0: the key split over the
+    threads from 512 keys, f16 sums), and bit for bit the same on 1 and 3 threads (which
+    split the heads differently). Then, with every row switch taking every batch, batches
+    of up to 200 rows equal the same tokens decoded one at a time, bit for bit. Prints the
+    largest |difference| of those batches' rows, one per size."""
+    from specee_cpp.bindings import KERNEL_SWITCHES, kernel_switch, set_kernel_switch
+
+    path = make_model(Path(directory), quant, "wide")
+    model = Model(path)
+    prompt = (PROMPT * (int(context) // len(PROMPT) + 1))[:int(context)]
+    nxt = [304 + i % 16 for i in range(200)]
+    n_ctx = len(prompt) + len(nxt) + 8
+    b = Batch(len(nxt))
+
+    def one_at_a_time(threads: int, attn_rows: int | None = None) -> np.ndarray:
+        before = kernel_switch("ATTN_ROWS")
+        if attn_rows is not None:
+            set_kernel_switch("ATTN_ROWS", attn_rows)
+        ctx = Context(model, n_ctx=n_ctx, n_batch=len(nxt), n_threads=threads)
+        for i in range(0, len(prompt), 16):
+            b.set(prompt[i:i + 16], i)
+            ctx.decode(b)
+        out = []
+        for i, t in enumerate(nxt):
+            b.set([t], len(prompt) + i)
+            ctx.decode(b)
+            out.append(ctx.logits(-1))
+        ctx.close()
+        set_kernel_switch("ATTN_ROWS", before)
+        return np.stack(out)
+
+    ours = one_at_a_time(2)
+    theirs = one_at_a_time(2, 0)
+    # this random model moves its logits far on any change of rounding (a logit by up to a
+    # third of their spread between upstream's own attention paths, a few in a hundred
+    # tokens to another argmax), so the check is on the mean: a wrong scale, mask or sum
+    # is off by several times more
+    mean, spread = float(np.mean(np.abs(ours - theirs))), float(np.std(theirs))
+    agree = float(np.mean(ours.argmax(axis=1) == theirs.argmax(axis=1)))
+    if os.environ.get("RK_VERBOSE"):
+        print(f"attention rows vs upstream's: {mean / spread:.4f}, {agree:.2f}", file=sys.stderr)
+    if not np.all(np.isfinite(ours)) or mean > ATTN_MEAN_TOL * spread or agree < ATTN_AGREE:
+        raise AssertionError(f"{quant}: attention rows vs upstream's: mean |diff| {mean:.4g} "
+                             f"(std {spread:.4g}), argmax agreement {agree:.2f}")
+    if not np.array_equal(ours, one_at_a_time(3)):
+        raise AssertionError(f"{quant}: one-row decodes differ between 2 and 3 threads")
+    row_switches = [n for n in KERNEL_SWITCHES if n.endswith("_ROWS")]
+    for n in row_switches:
+        set_kernel_switch(n, 1 << 30)
+    ctx = Context(model, n_ctx=n_ctx, n_batch=len(nxt), n_threads=2)
+    for i in range(0, len(prompt), 16):
+        b.set(prompt[i:i + 16], i)
+        ctx.decode(b)
+    diffs = []
+    for n in (65, 128, 200):
+        b.set(nxt[:n], len(prompt), output_last_only=False)
+        ctx.decode(b)
+        diffs.append(float(np.max(np.abs(all_logits(ctx, n) - ours[:n]))))
+        ctx.seq_rm(len(prompt))
+    ctx.close()
+    model.close()
+    print(" ".join(f"{d:.3g}" for d in diffs))
+
+
+def _ggml():
+    """ggml's graph API from the loaded libraries, through ctypes: (base, cpu)."""
+    import ctypes as C
+
+    from specee_cpp.bindings import library_file
+
+    class InitParams(C.Structure):   # ggml.h's struct ggml_init_params
+        _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+    base, cpu = C.CDLL(str(library_file("ggml-base"))), C.CDLL(str(library_file("ggml-cpu")))
+    for name, res, args in [
+            ("ggml_init", C.c_void_p, [InitParams]), ("ggml_free", None, [C.c_void_p]),
+            ("ggml_new_tensor_4d", C.c_void_p, [C.c_void_p, C.c_int] + [C.c_int64] * 4),
+            ("ggml_flash_attn_ext", C.c_void_p, [C.c_void_p] * 5 + [C.c_float] * 3),
+            ("ggml_flash_attn_ext_add_sinks", None, [C.c_void_p, C.c_void_p]),
+            ("ggml_new_graph", C.c_void_p, [C.c_void_p]),
+            ("ggml_build_forward_expand", None, [C.c_void_p, C.c_void_p]),
+            ("ggml_get_data", C.c_void_p, [C.c_void_p])]:
+        f = getattr(base, name)
+        f.restype, f.argtypes = res, args
+    cpu.ggml_graph_compute_with_ctx.restype = C.c_int
+    cpu.ggml_graph_compute_with_ctx.argtypes = [C.c_void_p, C.c_void_p, C.c_int]
+    base.InitParams = InitParams
+    return base, cpu
+
+
+def flash_attn(q, k, v, mask, scale, max_bias, softcap, sinks, threads):
+    """ggml_flash_attn_ext on the CPU backend: q (H, N, D) f32, k/v (Hkv, n_kv, D) f16, mask
+    (N, n_kv) f16, sinks (H,) f32 or None; returns (N, H, DV) f32."""
+    import ctypes as C
+
+    base, cpu = _ggml()
+    ctx = base.ggml_init(base.InitParams(64 << 20, None, False))
+    try:
+        def tensor(a, gtype):
+            ne = list(reversed(a.shape)) + [1] * (4 - a.ndim)
+            t = base.ggml_new_tensor_4d(ctx, gtype, *ne)
+            a = np.ascontiguousarray(a)     # held while copied
+            C.memmove(base.ggml_get_data(t), a.ctypes.data, a.nbytes)
+            return t
+        f32, f16 = 0, 1
+        out = base.ggml_flash_attn_ext(ctx, tensor(q, f32), tensor(k, f16), tensor(v, f16),
+                                       tensor(mask, f16), scale, max_bias, softcap)
+        if sinks is not None:
+            base.ggml_flash_attn_ext_add_sinks(out, tensor(sinks, f32))
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(graph, out)
+        if cpu.ggml_graph_compute_with_ctx(ctx, graph, threads) != 0:
+            raise AssertionError("ggml_graph_compute failed")
+        n, h, dv = q.shape[1], q.shape[0], v.shape[2]
+        res = np.empty((n, h, dv), np.float32)
+        C.memmove(res.ctypes.data, base.ggml_get_data(out), res.nbytes)
+        return res
+    finally:
+        base.ggml_free(ctx)
+
+
+def attention_reference(q, k, v, mask, scale, max_bias, softcap, sinks):
+    """The same attention in float64 (ggml's definition: softcap, ALiBi slopes, sinks)."""
+    h, n, _ = q.shape
+    hkv = k.shape[0]
+    log2 = 1 << int(np.floor(np.log2(h)))
+    m0, m1 = 2.0 ** (-max_bias / log2), 2.0 ** (-(max_bias / 2.0) / log2)
+    out = np.zeros((n, h, v.shape[2]))
+    for hd in range(h):
+        slope = 1.0 if max_bias <= 0 else (m0 ** (hd + 1) if hd < log2
+                                           else m1 ** (2 * (hd - log2) + 1))
+        kk = k[hd // (h // hkv)].astype(np.float64)
+        vv = v[hd // (h // hkv)].astype(np.float64)
+        s = q[hd].astype(np.float64) @ kk.T * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        s = s + slope * mask.astype(np.float64)
+        top = s.max(axis=1, keepdims=True)
+        if sinks is not None:
+            top = np.maximum(top, sinks[hd])
+        w = np.exp(s - top)
+        den = w.sum(axis=1) + (np.exp(sinks[hd] - top[:, 0]) if sinks is not None else 0)
+        out[:, hd] = (w @ vv) / den[:, None]
+    return out
+
+
+# (D, heads, KV heads, rows, cells, first cell of the sequence, softcap, ALiBi max_bias,
+# sinks): GQA over a sequence that starts mid-cache; no GQA, a head size that is no multiple
+# of a SIMD register, softcap and ALiBi; sinks
+ATTN_CASES = [(128, 6, 2, 37, 300, 50, 0.0, 0.0, False),
+              (80, 4, 4, 5, 100, 0, 20.0, 8.0, False),
+              (64, 8, 2, 19, 140, 3, 0.0, 0.0, True)]
+
+
+def attention_op(seed: str = "0") -> None:
+    """Patch 0018's attention kernel as ggml computes it, against float64 on the same inputs,
+    and against itself: each row of a batch equals that row computed alone, on 1 and 3
+    threads, and wherever its sequence's cells start. Prints the largest error of each case
+    relative to the largest |output|."""
+    from specee_cpp.bindings import kernel_switch, set_kernel_switch
+
+    rng = np.random.default_rng(int(seed))
+    before = kernel_switch("ATTN_ROWS")
+    set_kernel_switch("ATTN_ROWS", 1 << 30)
+    errs = []
+    try:
+        for d, h, hkv, n, cells, lo, softcap, max_bias, with_sinks in ATTN_CASES:
+            q = rng.normal(0, 1, (h, n, d)).astype(np.float32)
+            k = rng.normal(0, 1, (hkv, cells, d)).astype(np.float16)
+            v = rng.normal(0, 1, (hkv, cells, d)).astype(np.float16)
+            sinks = rng.normal(0, 1, h).astype(np.float32) if with_sinks else None
+            ctx0 = cells - lo - n   # cells of the sequence before the batch
+            mask = np.full((n, cells), -np.inf, np.float32)
+            for i in range(n):
+                mask[i, lo:lo + ctx0 + i + 1] = (-rng.uniform(0, 2, ctx0 + i + 1)
+                                                  if max_bias else 0.0)
+            mask = mask.astype(np.float16)
+            scale = 1.0 / np.sqrt(d)
+            args = (scale, max_bias, softcap, sinks)
+            got = flash_attn(q, k, v, mask, *args, threads=2)
+            want = attention_reference(q, k, v, mask, *args)
+            errs.append(float(np.max(np.abs(got - want)) / np.max(np.abs(want))))
+            if not np.array_equal(got, flash_attn(q, k, v, mask, *args, threads=1)) or \
+                    not np.array_equal(got, flash_attn(q, k, v, mask, *args, threads=3)):
+                raise AssertionError(f"case D={d}: rows differ with the thread count")
+            for i in range(n):
+                alone = flash_attn(q[:, i:i + 1], k, v, mask[i:i + 1], *args, threads=2)
+                if not np.array_equal(alone[0], got[i]):
+                    raise AssertionError(f"case D={d}: row {i} of {n} differs from it alone")
+            # the sequence 7 cells further on, the cells before it another sequence's
+            pad = 7
+            k2 = np.concatenate([rng.normal(0, 1, (hkv, pad, d)).astype(np.float16), k], 1)
+            v2 = np.concatenate([rng.normal(0, 1, (hkv, pad, d)).astype(np.float16), v], 1)
+            mask2 = np.concatenate([np.full((n, pad), -np.inf, np.float16), mask], 1)
+            if not np.array_equal(got, flash_attn(q, k2, v2, mask2, *args, threads=2)):
+                raise AssertionError(f"case D={d}: rows differ with where the cells start")
+    finally:
+        set_kernel_switch("ATTN_ROWS", before)
+    print(" ".join(f"{e:.2g}" for e in errs))
 
 
 # call mix of the fuzz: stages begun often enough that runs, probes and exits succeed too
