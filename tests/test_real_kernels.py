@@ -71,8 +71,8 @@ def system_repacks_x86() -> bool:
 
 # Every batch a verification takes, 1 to 64 rows (drafts from the context reach 64), equals
 # the same tokens decoded one at a time, bit for bit, with the library's defaults: the row
-# kernels take those batches, and attention reads each row's keys in one pass. Above 64 rows
-# (a prompt's batch) upstream's kernels round differently. The wide model's rows span 5-14
+# kernels take those batches, and attention reads each row's keys as one row does. Above 64
+# rows (a prompt's batch) upstream's kernels round differently. The wide model's rows span 5-14
 # K-quant super-blocks, so a wrong step from one block of a row to the next shows in every
 # projection (the Q6_K rows kernel planted to read the scale of a row's third block from its
 # second: "batch of 2 vs one at a time: max |diff| 45" on the wide model, while the narrow
