@@ -12,6 +12,7 @@ reference.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -274,14 +275,18 @@ def attention_rows(directory: str, quant: str, context: str = "600") -> None:
     n_ctx = len(prompt) + len(nxt) + 8
     b = Batch(len(nxt))
 
-    def one_at_a_time(threads: int, attn_rows: int | None = None) -> np.ndarray:
-        before = kernel_switch("ATTN_ROWS")
-        if attn_rows is not None:
-            set_kernel_switch("ATTN_ROWS", attn_rows)
+    def after_prompt(threads: int) -> Context:
         ctx = Context(model, n_ctx=n_ctx, n_batch=len(nxt), n_threads=threads)
         for i in range(0, len(prompt), 16):
             b.set(prompt[i:i + 16], i)
             ctx.decode(b)
+        return ctx
+
+    def one_at_a_time(threads: int, attn_rows: int | None = None) -> np.ndarray:
+        before = kernel_switch("ATTN_ROWS")
+        if attn_rows is not None:
+            set_kernel_switch("ATTN_ROWS", attn_rows)
+        ctx = after_prompt(threads)
         out = []
         for i, t in enumerate(nxt):
             b.set([t], len(prompt) + i)
@@ -309,10 +314,7 @@ def attention_rows(directory: str, quant: str, context: str = "600") -> None:
     row_switches = [n for n in KERNEL_SWITCHES if n.endswith("_ROWS")]
     for n in row_switches:
         set_kernel_switch(n, 1 << 30)
-    ctx = Context(model, n_ctx=n_ctx, n_batch=len(nxt), n_threads=2)
-    for i in range(0, len(prompt), 16):
-        b.set(prompt[i:i + 16], i)
-        ctx.decode(b)
+    ctx = after_prompt(2)
     diffs = []
     for n in (65, 128, 200):
         b.set(nxt[:n], len(prompt), output_last_only=False)
@@ -324,6 +326,7 @@ def attention_rows(directory: str, quant: str, context: str = "600") -> None:
     print(" ".join(f"{d:.3g}" for d in diffs))
 
 
+@functools.lru_cache(maxsize=1)
 def _ggml():
     """ggml's graph API from the loaded libraries, through ctypes: (base, cpu)."""
     import ctypes as C
