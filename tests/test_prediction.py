@@ -77,6 +77,25 @@ def test_assumed_costs_pay_only_for_likely_runs():
     assert g_sure >= 8 and g_coin == 0
 
 
+def test_a_prediction_s_draft_ends_at_the_end_of_generation():
+    """A prediction given as token ids may hold an end-of-generation token: no draft runs
+    past it (rows after it would be verified for nothing)."""
+    from specee_cpp.speculative.context_drafter import ContextSource
+
+    def drafts(is_eog) -> list[list[int]]:
+        src = ContextSource(None, prediction=Prediction(PRED), follow_max=63, is_eog=is_eog)
+        src.output_began(100)
+        out = []
+        for _ in range(3):                     # each draft kept whole, then the target's own
+            out.append(src.plan(10))
+            src.update(len(out[-1]), len(out[-1]))
+            src.extend(out[-1] + [out[-1][-1] + 1], emitted=True)
+        return out
+
+    assert drafts(None)[-1] == [108, 109, 110, 111]
+    assert drafts(lambda t: t == 110)[-1] == [108, 109, 110]
+
+
 def test_usage_counts_are_openais():
     assert prediction_usage([1, 2, 3, 4], [1, 2, 3, 4]) == (4, 0)
     assert prediction_usage([1, 2, 3, 4], [9, 1, 2, 7, 4]) == (3, 1)

@@ -79,7 +79,7 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     """Lossless: free drafts verified by the target give plain's greedy tokens (with
     rejections: the repeated list is broken off where the drafter expects it to go on), and
     no round drafts past max_tokens, and the copy model's replay of the drafter's rounds
-    matches the real run exactly."""
+    matches the real run exactly, the round that drafts the end of the answer included."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.engine.steps import stream
     from specee_cpp.speculative.decode import generate_spec
@@ -88,31 +88,37 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     prompt = ("Repeat this list exactly three times, separated by blank lines:\n"
               "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon\n")
     toks = small_llm.prompt_tokens(prompt)
-    # the answer is the list once (23 tokens); at a limit of 20 its third round, unbounded,
-    # would draft the list on past the limit
-    n = 20
-    plain = small_llm.generate(prompt, max_tokens=n)
-    small_llm.reset()
-    steps = list(stream(generate_spec(small_llm.tgt.seq, None, toks, FixedGamma(0),
-                                      SamplingConfig(), context=ContextSource(FLAT),
-                                      max_new=n),
-                        piece=small_llm.model.token_to_piece, is_eog=small_llm.model.is_eog,
-                        max_tokens=n, n_prompt=len(toks)))
-    got = [s.token for s in steps if s.finish_reason != "stop"]
-    st = steps[-1].stats
-    assert got == plain.tokens
-    assert st.n_drafted > 10 and st.n_accept > 0      # the context drafted, and was verified
-    assert st.by_source == {"context": [st.n_drafted, st.n_accept]}
-    for i, s in enumerate(steps):                      # a round's last step carries its counts
-        if s.n_drafted:
-            emitted_before = i - s.n_accept
-            assert s.n_drafted <= n - emitted_before - 1, (i, s.n_drafted)
-    # the copy model's replay (speculative/context_acceptance.py) is exact: on plain's greedy output it
-    # drafts and accepts what the real run did
-    from specee_cpp.speculative.context_acceptance import simulate
+    is_eog = small_llm.model.is_eog
+    # the answer is the list once (23 tokens) and its end: at a limit of 20 the third round,
+    # unbounded, would draft the list on past the limit; at 30 a round copies the prompt's
+    # end of turn after the list, and the answer ends inside that round
+    for n in (20, 30):
+        small_llm.reset()
+        plain = small_llm.generate(prompt, max_tokens=n)
+        small_llm.reset()
+        context = ContextSource(FLAT, is_eog=is_eog)
+        steps = list(stream(generate_spec(small_llm.tgt.seq, None, toks, FixedGamma(0),
+                                          SamplingConfig(), context=context, max_new=n,
+                                          is_eog=is_eog),
+                            piece=small_llm.model.token_to_piece, is_eog=is_eog,
+                            max_tokens=n, n_prompt=len(toks)))
+        got = [s.token for s in steps if s.finish_reason != "stop"]
+        st = steps[-1].stats
+        assert got == plain.tokens
+        assert st.finish_reason == plain.stats.finish_reason == ("length" if n == 20 else "stop")
+        assert st.n_drafted > 10 and st.n_accept > 0      # the context drafted, was verified
+        assert st.by_source == {"context": [st.n_drafted, st.n_accept]}
+        for i, s in enumerate(steps):                 # a round's last step carries its counts
+            if s.n_drafted:
+                emitted_before = i - s.n_accept
+                assert s.n_drafted <= n - emitted_before - 1, (i, s.n_drafted)
+        # the copy model's replay (speculative/context_acceptance.py) is exact: on plain's
+        # greedy output, its end included, it drafts and accepts what the real run did
+        from specee_cpp.speculative.context_acceptance import simulate
 
-    sim = simulate(toks, plain.tokens, FLAT, limit=n)
-    assert (st.n_accept, st.n_drafted) == (sim.accepted, sim.drafted)
+        out = plain.tokens + [steps[-1].token] * (st.finish_reason == "stop")
+        sim = simulate(toks, out, FLAT, limit=n, is_eog=is_eog)
+        assert (st.n_accept, st.n_drafted) == (sim.accepted, sim.drafted), n
 
 
 # ---- the opt-in history of earlier outputs ------------------------------------------------

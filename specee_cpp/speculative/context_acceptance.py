@@ -143,7 +143,8 @@ def simulate(prompt: list[int], output: list[int], costs, model: CopyModel | Non
              oracle: bool = False, limit: int | None = None, is_eog=None,
              timing=None, as_run=None) -> Simulated:
     """The context drafter deciding as in ``generate_spec`` (free drafts only) on a greedy
-    ``output``: its rounds, drafts and acceptance exactly; its time from ``costs``. With
+    ``output`` (its end-of-generation token last where the answer ended with one: a round
+    may draft it): its rounds, drafts and acceptance exactly; its time from ``costs``. With
     ``oracle`` it knows how much of each proposal (the trie's, and the copied stretch's
     continuation) will be accepted and drafts exactly the better one's accepted part where
     it pays: the bound of any acceptance model for this drafter and these costs.

@@ -400,9 +400,10 @@ class ContextSource:
         if self.prediction is None:
             return [], 0.0
         tokens, p = self.prediction.continuation(room)
+        tokens = self.to_end(tokens)   # a prediction given as token ids may hold the end
         if not tokens:
             return [], 0.0
-        g, tps = best_prefix(1.0 + np.cumsum(np.cumprod(p)), costs)
+        g, tps = best_prefix(1.0 + np.cumsum(np.cumprod(p[:len(tokens)])), costs)
         return tokens[:g], tps
 
     def plan(self, n_context: int, room: int | None = None) -> list[int]:
