@@ -36,7 +36,7 @@ ROW_SWITCHES = {
     "AMX_FUSED_ROWS": "AMX, Q4_K/Q6_K: rows together (0010)",
     "REPACK_ROWS": "repacked Q4_K: rows together (0015; IQ4_NL/Q4_0 2-3 rows)",
     "Q6_K_ROWS": "Q6_K: each weight row against the rows (0016)",
-    "ATTN_ROWS": "flash attention: one-token decodes and batches, each row as alone (0014, 0018)",
+    "ATTN_ROWS": "flash attention: one-token decodes and batches, each row as alone (0014)",
     "DOT_ROWS": "Q2_K/Q3_K/Q5_K/IQ types: the one-row dot per pair, not the tiled matmul (0014)",
 }
 

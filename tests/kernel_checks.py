@@ -38,7 +38,7 @@ QUANTS = {"Q4_0": (2, 2), "Q4_K": (14, 12), "Q6_K": (18, 14), "IQ4_NL": (25, 20)
 REL_TOL = 0.15
 
 
-# patch 0018's attention against upstream's on one-row decodes after 600 tokens: the mean
+# patch 0014's attention against upstream's on one-row decodes after 600 tokens: the mean
 # |difference| of the logits as a fraction of their spread (measured 0.031-0.038; upstream's
 # tiled attention is as far from its one-pass), and the tokens whose argmax agrees (0.94-0.96)
 ATTN_MEAN_TOL = 0.06
@@ -260,7 +260,7 @@ def small_batch_rows(directory: str, quant: str, rows: str = "", part: str = "al
 
 
 def attention_rows(directory: str, quant: str, context: str = "600") -> None:
-    """Patch 0018's attention against upstream's and against itself. One-row decodes after
+    """Patch 0014's attention against upstream's and against itself. One-row decodes after
     ``context`` tokens: close to upstream's attention (ATTN_ROWS 0: the key split over the
     threads from 512 keys, f16 sums), and bit for bit the same on 1 and 3 threads (which
     split the heads differently). Then, with every row switch taking every batch, batches
@@ -418,7 +418,7 @@ ATTN_CASES = [(128, 6, 2, 37, 300, 50, 0.0, 0.0, False),
 
 
 def attention_op(seed: str = "0") -> None:
-    """Patch 0018's attention kernel as ggml computes it, against float64 on the same inputs,
+    """Patch 0014's attention kernel as ggml computes it, against float64 on the same inputs,
     and against itself: each row of a batch equals that row computed alone, on 1 and 3
     threads, and wherever its sequence's cells start. Prints the largest error of each case
     relative to the largest |output|."""

@@ -137,8 +137,8 @@ def test_one_row_and_batched_decodes_equal_an_unpatched_build_s_one_row_decodes(
 
 
 def test_attention_kernel_equals_float64_and_each_row_alone():
-    # patch 0018 on ggml's op itself (kernel_checks.ATTN_CASES: GQA, a sequence that starts
-    # mid-cache, a head size of no whole SIMD registers, softcap, ALiBi, sinks): within
+    # patch 0014's attention on ggml's op itself (kernel_checks.ATTN_CASES: GQA, a sequence
+    # that starts mid-cache, a head size of no whole SIMD registers, softcap, ALiBi, sinks): within
     # 1e-5 of the largest output against float64 (upstream's one-pass kernel, which sums in
     # f16, is ~4e-3 off here), and every row bit for bit the same alone, on 1 and 3 threads
     # and 7 cells further on in the cache
@@ -149,7 +149,7 @@ def test_attention_kernel_equals_float64_and_each_row_alone():
 @pytest.mark.parametrize("quant", ["Q4_K", "Q8_0"])
 def test_attention_rows_equal_upstream_s_closely_and_themselves_exactly(kdir, monkeypatch,
                                                                         quant):
-    # patch 0018: one-row decodes near upstream's attention (past its key split at 512
+    # patch 0014: one-row decodes near upstream's attention (past its key split at 512
     # keys), the same on another thread count; and with every row switch at every batch
     # (a prompt read by the row kernels), batches of 65-200 rows equal one-row decodes
     monkeypatch.setenv("SPECEE_CPP_AMX", "0")
