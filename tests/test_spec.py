@@ -132,12 +132,8 @@ def test_a_model_draft_ends_at_the_end_of_generation(small_model):
             if (end is not None and step.timings) or len(steps) > 60:
                 break
         # the round whose accepted drafts hold the end: its last step (the one with the
-        # round's timings and counts) comes later, or is the end itself where generate_spec
-        # knows the end (it stops there, the drafts it kept counted up to it)
+        # round's timings and counts) comes later
         last = next(i for i in range(end, len(steps)) if steps[i].timings)
-        if last == end:   # all drafts kept: the end drafted last, or the target's after them
-            s = steps[end]
-            return s.n_drafted - s.n_accept if s.n_accept == s.n_drafted > 0 else None
         start = last - steps[last].n_accept       # its first drafted token's step
         if not start <= end < last:
             return None

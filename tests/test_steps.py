@@ -69,6 +69,32 @@ def test_a_stop_string_spelled_out_in_short_pieces_is_found():
         assert text == full[:full.index(stop)], stop
 
 
+def test_an_output_that_ends_inside_a_round_counts_the_round():
+    """The end of generation or a stop string among a round's drafted tokens: the round's
+    counts, which its last step carries, are read (computed already), and nothing after it."""
+    read = []
+
+    def strategy():
+        rounds = [([1], 0, 0), ([2, 3, 4], 3, 2), ([9, 7, 1], 4, 2), ([2], 0, 0)]
+        for i, (tokens, drafted, accepted) in enumerate(rounds):
+            for t in tokens[:-1]:                 # drafted tokens: no timings
+                read.append(t)
+                yield Step(token=t)
+            read.append(tokens[-1])
+            yield Step(token=tokens[-1], timings={"prefill" if i == 0 else "verify": 0.1},
+                       n_drafted=drafted, n_accept=accepted, source="context")
+
+    # "o w" ends in round 2's second token; the end of generation is round 3's first
+    for stop, counts, n_decode, upto in (((), (7, 4), 4, 7), (("o w",), (3, 2), 2, 4)):
+        read.clear()
+        steps = list(stream(strategy(), piece=PIECES.__getitem__, is_eog=lambda t: t == 9,
+                            n_prompt=4, max_tokens=100, stop=stop))
+        st = steps[-1].stats
+        assert st.finish_reason == ("stop_string" if stop else "stop")
+        assert (st.n_drafted, st.n_accept) == counts and st.by_source == {"context": [*counts]}
+        assert st.n_decode == n_decode and read == [1, 2, 3, 4, 9, 7, 1][:upto], stop
+
+
 def test_stop_string_not_matched_releases_everything():
     steps = run([1, 2, 3, 4, 9], stop=("xyz",))
     assert "".join(s.text for s in steps) == "Hello world"

@@ -11,7 +11,10 @@ import difflib
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Callable, Iterable, Iterator
+
+from ..config import MAX_FREE_VERIFY
 
 
 
@@ -129,9 +132,11 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
     Yields each step with its text piece; the last step carries ``finish_reason`` and
     ``stats``. An end-of-generation token is reported in the last step with empty text and
     is not counted in ``n_gen``. Text that might be the start of a stop string is held back
-    until it is known not to be. With ``prediction`` (the caller's predicted output's
-    tokens) the stats count its tokens that appear in the output. ``cached()``: the prompt
-    tokens the strategy found in the cache, asked once it has read the prompt.
+    until it is known not to be. Where the output ends inside a round of drafts, the rest of
+    the round (computed already) is read for its counts, which its last step carries. With
+    ``prediction`` (the caller's predicted output's tokens) the stats count its tokens that
+    appear in the output. ``cached()``: the prompt tokens the strategy found in the cache,
+    asked once it has read the prompt.
     """
     emitted: list[int] = []   # with a prediction: the output's tokens
     detok = Detokenizer(piece)
@@ -157,24 +162,39 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
                       if prediction is not None else None, n_cached=cached())
         return replace(step, text=text, finish_reason=reason, stats=stats)
 
+    def count(step: Step, emitted: bool = True) -> None:
+        nonlocal n_steps, note, n_drafted, n_accept
+        n_steps += emitted
+        note = note or step.note or ""
+        totals.update(step.timings)
+        n_drafted += step.n_drafted
+        n_accept += step.n_accept
+        if step.n_drafted:
+            tally = by_source.setdefault(step.source or "model", [0, 0])
+            tally[0] += step.n_drafted
+            tally[1] += step.n_accept
+        for i in range(step.n_drafted):  # a round accepts a prefix: positions < n_accept
+            if i == len(by_pos):
+                by_pos.append([0, 0])
+            by_pos[i][0] += 1
+            by_pos[i][1] += i < step.n_accept
+
+    def round_end(step: Step) -> None:
+        """The output ends at ``step``: if it is not its round's last (a drafted token: no
+        timings), the round's counts are on that last step, already computed; read to it."""
+        if step.timings:
+            return
+        for rest in islice(it, MAX_FREE_VERIFY):   # a round emits at most a batch's rows
+            count(rest, emitted=False)
+            if rest.timings:
+                return
+
     it = iter(steps)
     try:
         for step in it:
-            n_steps += 1
-            note = note or step.note or ""
-            totals.update(step.timings)
-            n_drafted += step.n_drafted
-            n_accept += step.n_accept
-            if step.n_drafted:
-                tally = by_source.setdefault(step.source or "model", [0, 0])
-                tally[0] += step.n_drafted
-                tally[1] += step.n_accept
-            for i in range(step.n_drafted):  # a round accepts a prefix: positions < n_accept
-                if i == len(by_pos):
-                    by_pos.append([0, 0])
-                by_pos[i][0] += 1
-                by_pos[i][1] += i < step.n_accept
+            count(step)
             if is_eog(step.token):
+                round_end(step)
                 yield finish(step, pending + detok.flush(), "stop")
                 return
             n_gen += 1
@@ -186,6 +206,7 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
             if stop:
                 at = stop_at(pending, stop)
                 if at is not None:
+                    round_end(step)
                     yield finish(step, pending[:at], "stop_string")
                     return
             if n_gen >= max_tokens:

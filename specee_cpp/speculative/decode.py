@@ -334,10 +334,9 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
     whenever it is predicted to beat both plain decoding and the policy's best round;
     ``verifier`` (greedy only) scores the draft model's rounds instead of a full-depth
     decode; ``max_new`` is the most tokens the caller will take (no round drafts past it);
-    ``is_eog`` ends a model draft at an end-of-generation token, and the output at an
-    accepted one (a round's counts are on its last step: its own token, or that end).
-    ``trace`` receives one record per round the draft model drafted: the profiling data of
-    a draft-length controller."""
+    ``is_eog`` ends a model draft at an end-of-generation token. ``trace`` receives one
+    record per round the draft model drafted: the profiling data of a draft-length
+    controller."""
     policy = FixedGamma(policy) if isinstance(policy, int) else policy
     loop = SpecLoop(tgt, dft, policy, sampling, context, verifier, max_new, is_eog,
                     confidence=trace is not None)
@@ -355,13 +354,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                    "draft_entropy": [round(c[1], 5) for c in r.conf], "n_accept": r.n_acc,
                    "t_draft": r.ph.seconds["draft"], "t_verify": r.ph.seconds["verify"]})
         n_out += r.n_acc + 1
-        for i, tok in enumerate(r.draft[:r.n_acc]):
-            if is_eog is not None and is_eog(tok):
-                # the answer ends inside the round: the caller stops at this token, so it
-                # carries the round's counts (the drafts it kept, the end among them)
-                yield Step(token=tok, exit_layer=r.exit_layer, n_drafted=len(r.draft),
-                           n_accept=i + 1, source=r.source, timings=r.timings())
-                return
+        for tok in r.draft[:r.n_acc]:
             yield Step(token=tok, exit_layer=r.exit_layer)
         yield Step(token=r.nxt, exit_layer=r.exit_layer, n_drafted=len(r.draft),
                    n_accept=r.n_acc, source=r.source,
