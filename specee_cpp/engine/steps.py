@@ -86,12 +86,13 @@ class Step:
     """One emitted token.
 
     Strategies fill the first group of fields; :func:`stream` fills ``text`` and, on the
-    last step, ``finish_reason`` and ``stats``.
+    last step, ``finish_reason`` and ``stats``. A round of drafts yields its kept drafted
+    tokens without timings, then its last token with the round's timings and counts.
     """
 
     token: int
     exit_layer: int | None = None   # layer the target exited at, None for full depth
-    n_drafted: int = 0              # tokens drafted in the step that produced this token
+    n_drafted: int = 0              # tokens drafted in the round this token ends
     n_accept: int = 0               # of which accepted
     source: str | None = None       # who drafted them: model, context or history
     # seconds spent producing this token, by phase: prefill, decode, draft, layers, probe, head
