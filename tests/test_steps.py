@@ -71,7 +71,9 @@ def test_a_stop_string_spelled_out_in_short_pieces_is_found():
 
 def test_an_output_that_ends_inside_a_round_counts_the_round():
     """The end of generation or a stop string among a round's drafted tokens: the round's
-    counts, which its last step carries, are read (computed already), and nothing after it."""
+    counts, which its last step carries, are read (computed already), and nothing after it.
+    A token that is not a drafted one, even without timings (early exit's token from its
+    check's second row), ends the output where it stands: the next would cost a decode."""
     read = []
 
     def strategy():
@@ -79,7 +81,7 @@ def test_an_output_that_ends_inside_a_round_counts_the_round():
         for i, (tokens, drafted, accepted) in enumerate(rounds):
             for t in tokens[:-1]:                 # drafted tokens: no timings
                 read.append(t)
-                yield Step(token=t)
+                yield Step(token=t, drafted=True)
             read.append(tokens[-1])
             yield Step(token=tokens[-1], timings={"prefill" if i == 0 else "verify": 0.1},
                        n_drafted=drafted, n_accept=accepted, source="context")
@@ -93,6 +95,16 @@ def test_an_output_that_ends_inside_a_round_counts_the_round():
         assert st.finish_reason == ("stop_string" if stop else "stop")
         assert (st.n_drafted, st.n_accept) == counts and st.by_source == {"context": [*counts]}
         assert st.n_decode == n_decode and read == [1, 2, 3, 4, 9, 7, 1][:upto], stop
+
+    def early_exit():
+        for t in (1, 2, 9, 3, 4):
+            read.append(t)
+            yield Step(token=t, timings={} if t == 9 else {"decode": 0.1},
+                       n_drafted=int(t == 2), n_accept=int(t == 2), source="exit")
+    read.clear()
+    st = list(stream(early_exit(), piece=PIECES.__getitem__, is_eog=lambda t: t == 9,
+                     n_prompt=4, max_tokens=100))[-1].stats
+    assert read == [1, 2, 9] and (st.n_drafted, st.n_accept) == (1, 1)
 
 
 def test_stop_string_not_matched_releases_everything():

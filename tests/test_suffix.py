@@ -82,6 +82,7 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
     matches the real run exactly, the round that drafts the end of the answer included."""
     from specee_cpp.config import SamplingConfig
     from specee_cpp.engine.steps import stream
+    from specee_cpp.speculative.context_acceptance import simulate
     from specee_cpp.speculative.decode import generate_spec
     from specee_cpp.speculative.policies import FixedGamma
 
@@ -114,8 +115,6 @@ def test_spec_with_context_drafts_equals_plain(small_llm):
                 assert s.n_drafted <= n - emitted_before - 1, (i, s.n_drafted)
         # the copy model's replay (speculative/context_acceptance.py) is exact: on plain's
         # greedy output, its end included, it drafts and accepts what the real run did
-        from specee_cpp.speculative.context_acceptance import simulate
-
         out = plain.tokens + [steps[-1].token] * (st.finish_reason == "stop")
         sim = simulate(toks, out, FLAT, limit=n, is_eog=is_eog)
         assert (st.n_accept, st.n_drafted) == (sim.accepted, sim.drafted), n

@@ -11,11 +11,7 @@ import difflib
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from itertools import islice
 from typing import Callable, Iterable, Iterator
-
-from ..config import MAX_FREE_VERIFY
-
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ class Step:
 
     Strategies fill the first group of fields; :func:`stream` fills ``text`` and, on the
     last step, ``finish_reason`` and ``stats``. A round of drafts yields its kept drafted
-    tokens without timings, then its last token with the round's timings and counts.
+    tokens (``drafted``), then its last token with the round's timings and counts.
     """
 
     token: int
@@ -95,6 +91,7 @@ class Step:
     n_drafted: int = 0              # tokens drafted in the round this token ends
     n_accept: int = 0               # of which accepted
     source: str | None = None       # who drafted them: model, context or history
+    drafted: bool = False           # a kept drafted token: its round's last step follows
     # seconds spent producing this token, by phase: prefill, decode, draft, layers, probe, head
     timings: dict[str, float] = field(default_factory=dict)
     text: str = ""
@@ -181,13 +178,13 @@ def stream(steps: Iterable[Step], *, piece: Callable[[int], bytes], is_eog: Call
             by_pos[i][1] += i < step.n_accept
 
     def round_end(step: Step) -> None:
-        """The output ends at ``step``: if it is not its round's last (a drafted token: no
-        timings), the round's counts are on that last step, already computed; read to it."""
-        if step.timings:
+        """The output ends at ``step``: if it is a drafted token, the round's counts are on
+        the round's last step, already computed; read to it."""
+        if not step.drafted:
             return
-        for rest in islice(it, MAX_FREE_VERIFY):   # a round emits at most a batch's rows
+        for rest in it:
             count(rest, emitted=False)
-            if rest.timings:
+            if not rest.drafted:
                 return
 
     it = iter(steps)

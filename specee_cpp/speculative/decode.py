@@ -355,7 +355,7 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
                    "t_draft": r.ph.seconds["draft"], "t_verify": r.ph.seconds["verify"]})
         n_out += r.n_acc + 1
         for tok in r.draft[:r.n_acc]:
-            yield Step(token=tok, exit_layer=r.exit_layer)
+            yield Step(token=tok, exit_layer=r.exit_layer, drafted=True)
         yield Step(token=r.nxt, exit_layer=r.exit_layer, n_drafted=len(r.draft),
                    n_accept=r.n_acc, source=r.source,
                    timings=r.timings())
