@@ -6,7 +6,8 @@ prompts, with ``--traffic code-edit`` edits of held-out HumanEval functions, wit
 (requests already sent are waited for) or, with ``--requests N``, until each client has sent
 its N (then two servers answer the very same prompts: in a timed run the faster one reaches
 further down the list, into other prompts, and their percentiles are over other requests),
-and reports
+or with ``--rate R --requests N``, N requests in all, arriving at random (Poisson, R a second,
+the same times for every server) whenever the others are answered or not; and reports
 requests completed, refused and lost, latency and time to first token (p50/p95), and the
 server's own counters, as JSON and, with ``--markdown``, as a table with the command that
 made it.
@@ -15,6 +16,8 @@ made it.
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --seconds 60
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --traffic code-edit --peer
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 2 --traffic code-edit --requests 12
+    python scripts/load_test.py qwen2.5-coder-1.5b --parallel 2 --traffic code-edit \
+        --rate 0.07 --requests 24 [--peer]
     python scripts/load_test.py qwen2.5-coder-1.5b --clients 4 --parallel 4 --mode spec \
         --traffic code-edit --prediction
     python scripts/load_test.py --clients 8 --seconds 60 --hostile   # second half under attack
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -105,13 +109,15 @@ def start_peer(args) -> tuple[subprocess.Popen, str]:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "specee_cpp.cli", "serve", "--port", "0",
-           "--max-queue", str(max(args.clients, 1) * 2)]
+           "--max-queue", str(args.requests if args.rate else max(args.clients, 1) * 2)]
     if args.model:
         cmd.insert(4, args.model)
     if args.draft:
         cmd += ["--draft", args.draft]
     if args.mode:
         cmd += ["--mode", args.mode]
+    if args.gamma:
+        cmd += ["--gamma", args.gamma]
     cmd += ["--parallel", str(args.parallel)]   # given: the server's default depends on the machine
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -167,6 +173,8 @@ def main() -> None:
     ap.add_argument("model", nargs="?", help="default: the registry's default pair")
     ap.add_argument("--draft")
     ap.add_argument("--mode")
+    ap.add_argument("--gamma", help="the server's --gamma (with --draft and --parallel above 1: "
+                                    "the draft model drafts in each slot)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--parallel", type=int, default=1,
                     help="the server's slots (serve --parallel): requests decoded at once")
@@ -178,6 +186,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int,
                     help="each client sends this many requests (conversations), however long "
                          "they take, instead of sending for --seconds")
+    ap.add_argument("--rate", type=float,
+                    help="open loop: --requests N in all, arriving at random at this many a "
+                         "second (Poisson, the same times on every run), not from --clients "
+                         "waiting for their answers; the first token's wait then does not "
+                         "depend on how soon the server answered the ones before")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--traffic", choices=("chat", "code-edit", "conversation"), default="chat",
                     help="chat: Spec-Bench dev first turns (up to 1,500 characters); "
@@ -196,6 +209,10 @@ def main() -> None:
         sys.exit("error: --clients must be 1..32 and --seconds 1..600 (a local, bounded test)")
     if args.requests is not None and not 1 <= args.requests <= 100:
         sys.exit(f"error: --requests must be 1..100, got {args.requests}")
+    if args.rate is not None and not (args.rate > 0 and args.requests
+                                      and args.traffic != "conversation" and not args.hostile):
+        sys.exit(f"error: --rate {args.rate}: a positive rate with --requests (in all), not "
+                 f"with --hostile or conversation traffic")
     if args.requests is not None and args.hostile:
         sys.exit("error: --hostile attacks the second half of a timed run: it takes --seconds, "
                  "not --requests")
@@ -318,8 +335,29 @@ def main() -> None:
                                capture_output=True, text=True, timeout=rest + 120)
             big.update(json.loads(r.stdout or "{}"))
 
+        def arrival(k: int, at: float) -> None:
+            """Open loop: request ``k`` at ``at`` seconds from the start."""
+            time.sleep(max(0.0, began + at - time.perf_counter()))
+            c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+            extra = ({"prediction": {"type": "content", "content": prompts[k % len(prompts)][1]}}
+                     if args.prediction else {})
+            rec, _ = ask(c, [{"role": "user", "content": talks[k % len(talks)][0]}], extra,
+                         time.perf_counter())
+            rec.update(client=k, hostile=False, seq=1, turn=0)
+            with lock:
+                results.append(rec)
+
         t_start = time.perf_counter()
-        clients = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+        if args.rate:
+            rng, at, times = random.Random(0), 0.0, []
+            for _ in range(args.requests):
+                at += rng.expovariate(args.rate)
+                times.append(at)
+            clients = [threading.Thread(target=arrival, args=(k, at))
+                       for k, at in enumerate(times)]
+        else:
+            clients = [threading.Thread(target=client_loop, args=(i,))
+                       for i in range(args.clients)]
         others = [threading.Thread(target=probe_loop)]
         if args.hostile:
             others.append(threading.Thread(target=hostile_loop))
@@ -348,8 +386,10 @@ def main() -> None:
     cached_share = (round(sum(r["cached"] for r in said) / sum(r["prompt_tokens"] for r in said),
                           3) if said else None)
     summary = {
-        "clients": args.clients, "parallel": args.parallel,
-        "seconds": None if args.requests else args.seconds, "requests_each": args.requests,
+        "clients": None if args.rate else args.clients, "rate": args.rate,
+        "parallel": args.parallel,
+        "seconds": None if args.requests else args.seconds, "requests_each": None if args.rate else args.requests,
+        **({"requests_in_all": args.requests} if args.rate else {}),
         "max_tokens": args.max_tokens, "traffic": args.traffic,
         "prediction": args.prediction,
         "sent": len(results), "completed": len(ok), "refused_429": len(refused), "lost": lost,

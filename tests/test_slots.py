@@ -7,6 +7,8 @@ import os
 import threading
 import time
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,24 @@ def alone(small_model):
         return [llm.generate(p, max_tokens=N) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def rough_draft(small_model, tmp_path_factory) -> Path:
+    """The same weights requantized to Q2_K: one tokenizer, but a draft that is often wrong,
+    so that verification rejects and rolls back for real."""
+    from specee_cpp.bindings.quantize import quantize
+
+    return quantize(small_model, "Q2_K", tmp_path_factory.mktemp("rough-draft"),
+                    n_threads=2)[0]
+
+
+@pytest.fixture(scope="module")
+def drafting(small_model, rough_draft):
+    """Four slots that run the draft model, a sequence of its context each."""
+    with LLM(small_model, draft=rough_draft,
+             config=LoadConfig(n_ctx=512, n_threads=2, n_seq=4)) as llm:
+        yield llm
+
+
 def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None, stats=None,
          **kw):
     """A slot thread: generate ``prompt`` on ``view`` (after ``wait`` is set), recording its
@@ -61,6 +81,8 @@ def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None, s
             steps.close()
     finally:
         decoder.leave()
+        if started is not None:   # a slot that failed early lets the one waiting on it go
+            started.set()
 
 
 def _together(threads: list[threading.Thread]) -> None:
@@ -131,6 +153,83 @@ def test_slots_that_draft_and_verify_each_equal_plain_decoding_alone(shared, alo
         kept = [sum(a for _, a in s[-1].by_source.values()) for s in stats]
         # the whole answer as the prediction: drafted and kept; the others: rows rejected
         assert kept[0] >= N // 2 and sum(drafted) > sum(kept), (drafted, kept)
+
+
+def test_slots_that_run_the_draft_model_each_equal_plain_decoding_alone(drafting, alone):
+    """Four slots draft with the draft model at gamma 3, each on its own sequence of the
+    draft's context, the draft's rows batched across the slots as the target's are: one
+    with a prediction too, one that stops after five tokens, the last arriving mid-stream.
+    Every answer is its plain answer alone, token for token (the stopped one its first
+    five); then each request again in another slot, in the cells the first round left.
+    Each slot's draft drafts what it drafts for the request alone in the server: it reads
+    its own sequence of the draft's cache."""
+    assert drafting.slots_draft
+    decoder, views = slots(drafting)
+    assert decoder.draft_ctx is drafting.dft.ctx
+    kws = [{"mode": "spec", "gamma": 3, **({"prediction": alone[1].text} if i == 1 else {})}
+           for i in range(4)]
+    drafted_alone = []
+    for i in range(4):
+        one: list = []
+        _run(views[0], PROMPTS[i], [], decoder, stats=one, **kws[i])
+        drafted_alone.append(one[-1].by_source)
+    for shift in (0, 1):
+        outs, stats = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
+        started = threading.Event()
+        threads = [threading.Thread(
+            target=_run, args=(views[(i + shift) % 4], PROMPTS[i], outs[i], decoder),
+            kwargs={"started": started if i == 0 else None,
+                    "wait": started if i == 3 else None,
+                    "stop_after": 5 if i == 2 else None, "stats": stats[i], **kws[i]})
+            for i in range(4)]
+        before, before_draft = decoder.steps, decoder.draft_steps
+        _together(threads)
+        assert outs == [r.tokens if i != 2 else r.tokens[:5] for i, r in enumerate(alone)]
+        by = [s[-1].by_source for s in stats if s]
+        drafted = sum(d for b in by for d, _ in [b.get("model", (0, 0))])
+        kept = sum(a for b in by for _, a in [b.get("model", (0, 0))])
+        # the draft drafted, and rows were rejected and cut from both caches
+        assert 0 < kept < drafted, by
+        # each slot's draft read its own sequence: it drafted and had kept what it does for
+        # the request alone
+        assert [stats[i][-1].by_source for i in (0, 1, 3)] == \
+            [drafted_alone[i] for i in (0, 1, 3)]
+        assert "prediction" in stats[1][-1].by_source
+        # the draft's decodes were batched across the slots, as the target's were
+        assert decoder.draft_steps - before_draft < drafted, (decoder.draft_steps, drafted)
+        assert decoder.steps - before < 2 * N + 6
+
+
+def test_a_step_decodes_the_draft_s_waiting_slots_then_the_target_s():
+    """A slot drafting waits on the draft's context while another waits on the target's:
+    neither waits for the other, one step decodes both batches, the draft's first."""
+    order = []
+
+    class Named(_Recorder):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def decode(self, batch):
+            super().decode(batch)
+            order.append(self.name)
+
+    tgt, dft = Named("target"), Named("draft")
+    decoder = SharedDecoder(tgt, draft_ctx=dft)
+
+    def slot(i: int, ctxs) -> None:
+        for k, ctx in enumerate(ctxs):
+            decoder.decode(i, [(1, k, i, True)], ctx=ctx)
+        decoder.leave(i)
+
+    decoder.enter()
+    decoder.enter()
+    _together([threading.Thread(target=slot, args=(0, [dft, dft, tgt])),
+               threading.Thread(target=slot, args=(1, [tgt, tgt, tgt, tgt]))])
+    assert dft.steps == [[0], [0]] and [sorted(r) for r in tgt.steps] == \
+        [[1], [1], [0, 1], [1]], (dft.steps, tgt.steps)
+    assert order == ["draft", "target", "draft", "target", "target", "target"]
+    assert decoder.steps == 4 and decoder.draft_steps == 2
 
 
 def test_a_slot_reuses_its_cells_answer_after_answer(shared, alone):
@@ -261,6 +360,46 @@ def test_a_slot_reads_every_row_of_a_batch_where_it_stood(shared, alone):
     # the prompts side by side, filling each step (SLOT_STEP rows), then the verifications
     assert sum(map(len, prompts)) <= 2 * SLOT_STEP - 16
     assert decoder.steps == -(-sum(map(len, prompts)) // SLOT_STEP) + 1
+
+
+@pytest.mark.model
+def test_serve_parallel_with_a_draft_runs_it_in_each_slot(small_model, rough_draft, alone):
+    """`serve --parallel 2 --draft D --gamma 3`: two clients at once, one asking for gamma
+    2, get their plain answers alone, drafted by the draft model in their slots."""
+    import os
+    import subprocess
+    import sys
+
+    openai = pytest.importorskip("openai")
+    p = subprocess.Popen([sys.executable, "-m", "specee_cpp.cli", "serve", str(small_model),
+                          "--parallel", "2", "--draft", str(rough_draft), "--gamma", "3",
+                          "--port", "0", "--n-ctx", "512", "--threads", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200"))
+    try:
+        line = p.stdout.readline()
+        assert "(mode spec, 2 slots)" in line, line + p.stderr.read()
+        client = openai.OpenAI(base_url=line.split()[-1], api_key="x", max_retries=0,
+                               timeout=120)
+        answers: dict[int, tuple] = {}
+
+        def ask(i, extra):
+            r = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": PROMPTS[i]}],
+                max_tokens=N, temperature=0, extra_body=extra)
+            answers[i] = (r.choices[0].message.content, r.model_extra["specee"])
+
+        _together([threading.Thread(target=ask, args=(0, None)),
+                   threading.Thread(target=ask, args=(1, {"specee": {"gamma": 2}}))])
+        assert {i: a[0] for i, a in answers.items()} == {i: alone[i].text for i in range(2)}
+        for i, gamma in ((0, 3), (1, 2)):
+            said = answers[i][1]
+            assert said["n_drafted"] > 0 and f"draft {rough_draft.name}, gamma {gamma}" \
+                in said["note"], said
+    finally:
+        p.terminate()
+        _, stderr = p.communicate(timeout=30)
+    assert "Traceback" not in stderr, stderr
 
 
 class _Recorder:
@@ -448,10 +587,13 @@ def test_a_slot_refuses_what_cannot_share_a_step(shared):
     _, views = slots(shared)
     with pytest.raises(SpeceeError, match="staged decode"):
         views[0].tgt.ctx.stage_begin(None)
-    with pytest.raises(SpeceeError, match="draft model is not run in a slot"):
+    with pytest.raises(SpeceeError, match="no draft model runs in this server's slots"):
         views[0].dft
-    with pytest.raises(SpeceeError, match="gamma 3 drafts with a draft model"):
+    with pytest.raises(SpeceeError, match="gamma 3 drafts with a draft model, which the "
+                                          "slots of --parallel 4 run only where"):
         views[0].stream("hi", mode="spec", gamma=3)
+    with pytest.raises(SpeceeError, match="gamma pmin sizes drafts for one request"):
+        views[0].stream("hi", mode="spec", gamma="pmin")
     with pytest.raises(SpeceeError, match="history drafts .* not served with --parallel 4"):
         views[0].stream("hi", mode="spec", history=True)
     with pytest.raises(SpeceeError, match="sequences must be positive"):
@@ -476,8 +618,9 @@ def test_serve_parallel_answers_concurrent_clients_as_alone(small_model, alone):
     bad = subprocess.run(cli + ["serve", str(small_model), "--parallel", "2", "--draft",
                                 str(small_model), "--port", "0"],
                          capture_output=True, text=True, timeout=120, env=env)
-    assert bad.returncode != 0 and "--parallel 2 runs no draft model" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--draft with --parallel 2: the slots run the draft model at a fixed --gamma N" \
+        in " ".join(bad.stderr.split())
     staged = subprocess.run(cli + ["serve", str(small_model), "--parallel", "2", "--mode",
                                    "ee", "--port", "0"],
                             capture_output=True, text=True, timeout=120, env=env)

@@ -250,9 +250,10 @@ def serve(
     parallel: Optional[int] = typer.Option(
         None, "--parallel",
         help="Requests decoded at once, each in a slot of one KV cache (--n-ctx tokens each), "
-             "their tokens in one batch a step. Above 1: modes spec (drafts from the context "
-             "and the prediction, no draft model) and plain. Default: 4 where this machine's "
-             "timing says a step of 4 pays and no draft model would be left out, else 1."),
+             "their tokens in one batch a step. Above 1: modes plain and spec (drafts from the "
+             "context and the prediction; from the draft model too with --draft and a fixed "
+             "--gamma N). Default: 4 where this machine's timing says a step of 4 pays and no "
+             "draft model would be left out, else 1."),
     temperature: float = OptTemp, top_k: int = OptTopK, top_p: float = OptTopP,
     seed: int = OptSeed,
     n_ctx: int = OptCtx, threads: int = OptThreads, gpu_layers: int = OptGpu,
@@ -283,23 +284,26 @@ def serve(
                           "both out to serve without one")
     if parallel is not None and parallel < 1:
         raise SpeceeError(f"--parallel {parallel}: at least 1 request at a time")
-    # a slot's decodes share each step's batch with the other slots': the target's own
-    # decodes only, no draft model's (its context is not shared) and no staged ones; its
-    # default mode drafts from the context and the prediction, where they pay
-    if parallel is not None and parallel > 1 and draft is not None:
-        raise SpeceeError(f"--parallel {parallel} runs no draft model (each slot drafts from "
-                          f"its context and the prediction): leave out --draft, or serve one "
-                          f"request at a time")
+    # a slot's decodes share each step's batch with the other slots': no staged ones; its
+    # default mode drafts from the context and the prediction, where they pay, and a draft
+    # model runs in each slot at a fixed --gamma only (gamma auto prices its drafts with
+    # costs measured for one request at a time)
+    slot_draft = parallel is not None and parallel > 1 and draft is not None
     given_draft = draft
-    model, draft = _default_pair(model, draft) if parallel in (None, 1) \
+    model, draft = _default_pair(model, draft) if parallel in (None, 1) or slot_draft \
         else (_default_pair(model, None)[0], None)
     # the mode and options of one request at a time, and of a slot of several
     alone = flags.resolve(draft) if parallel in (None, 1) else None
-    in_slots = (flags if flags.mode is not None else replace(flags, mode="spec")).resolve(None) \
-        if parallel != 1 else None
-    if parallel is not None and parallel > 1 \
-            and (why := in_slots[0].refused_with_slots(parallel, in_slots[1])):
-        raise SpeceeError(f"--{why}; serve one request at a time for it")
+    in_slots = (flags if flags.mode is not None else replace(flags, mode="spec")).resolve(
+        draft if slot_draft else None) if parallel != 1 else None
+    if parallel is not None and parallel > 1:
+        m, opts = in_slots
+        if why := m.refused_with_slots(parallel, opts, draft=slot_draft):
+            raise SpeceeError(f"--{why}; serve one request at a time for it")
+        if slot_draft and not (isinstance(getattr(opts, "gamma", None), int) and opts.gamma):
+            raise SpeceeError(f"--draft with --parallel {parallel}: the slots run the draft "
+                              f"model at a fixed --gamma N (mode spec); gamma auto drafts "
+                              f"from the context and the prediction alone there")
     sampling = _sampling(temperature, top_k, top_p, seed)
     # refused before the port is taken
     config = _load_config(n_ctx, threads, gpu_layers, n_seq=parallel or 1)

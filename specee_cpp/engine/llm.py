@@ -175,8 +175,16 @@ class LLM:
         """The draft with its context, loaded on first use (None without a draft): a mode
         that decides not to draft never pays for its weights."""
         if self._dft is None and self.draft_path is not None:
-            self._dft = _Loaded(self.draft_path, self.config, self.draft_flash_attn)
+            # as many sequences as the target's: where slots run the draft, one a slot
+            self._dft = _Loaded(self.draft_path, self.config, self.draft_flash_attn,
+                                n_seq=self.tgt.n_seq)
         return self._dft
+
+    @property
+    def slots_draft(self) -> bool:
+        """Whether the target's slots (engine/slots.py) run the draft model, a sequence of
+        its context each."""
+        return self.tgt.n_seq > 1 and self.draft_path is not None
 
     def set_draft_flash_attn(self, flash_attn: bool | None) -> None:
         """Open the draft's context with this flash-attention setting (None: llama.cpp's
@@ -207,8 +215,10 @@ class LLM:
 
     def open_slots(self, n: int) -> None:
         """Hold ``n`` sequences in the target's context, ``n_ctx`` tokens each, for slots
-        (engine/slots.py), its weights kept, and let the draft go (a slot runs none). Where
-        its KV cache cannot keep them apart, the error, and one sequence with the draft."""
+        (engine/slots.py), its weights kept, and let the draft go (a slot runs none at gamma
+        auto; one that runs the draft model is loaded with its sequences from the start).
+        Where its KV cache cannot keep them apart, the error, and one sequence with the
+        draft."""
         self.tgt.reopen(None, n)
         self.config = replace(self.config, n_seq=n)
         self.release_draft()

@@ -70,12 +70,12 @@ class Mode:
 
     def needs_draft_in(self, slot: bool) -> bool:
         """Whether this mode needs a draft model, run alone or (``slot``) in a slot of a
-        server decoding several requests at once, where no draft model runs."""
+        server decoding several requests at once."""
         return self.needs_draft
 
-    def refused_with_slots(self, n: int, opts=None) -> str | None:
+    def refused_with_slots(self, n: int, opts=None, draft: bool = False) -> str | None:
         """Why this mode (with ``opts``, where given) is not served with ``n`` slots decoding
-        at once (None: it is)."""
+        at once, ``draft`` saying whether they run a draft model (None: it is)."""
         if n > 1 and not self.runs_in_slots:
             return (f"mode {self.name} is not served with --parallel {n} (its staged decode "
                     f"runs one batch layer by layer)")
@@ -109,7 +109,7 @@ class Mode:
 
 def in_a_slot(llm) -> bool:
     """Whether ``llm`` is a slot of a server decoding several requests at once
-    (engine/slots.py): no draft model runs there."""
+    (engine/slots.py)."""
     return getattr(llm, "shares_steps", False)
 
 

@@ -7,8 +7,12 @@ decode's rows to the :class:`SharedDecoder` and waits. The decoder runs one ``ll
 on a thread of its own, as soon as every slot in use is waiting on it, with the waiting
 slots' rows (a decode's whole, a prompt's as far as the step has room), so the slots advance
 together, a step of four clients costing about what a small verification batch costs. A
-slot's draft and its verification are its own (mode spec drafts from the slot's context and
-prediction, no draft model). A step holds at most ``SLOT_STEP`` rows (config.py says why).
+slot's draft and its verification are its own: mode spec drafts from the slot's context and
+prediction, and where the server runs a draft model in the slots, from a sequence of the
+draft's context that is the slot's, handed to the decoder the same way; a step then decodes
+the draft's rows of the slots drafting, then the target's of the others, so that a slot
+drafting and one verifying advance together. A step holds at most ``SLOT_STEP`` rows
+(config.py says why).
 A new prompt's rows go first, so its first token waits on no one's verification (the same
 rows are decoded either way, in another order); past ``SLOT_PROMPT_AHEAD`` of them in a row
 the others go first for a step, the prompt filling the room they leave, so a long prompt
@@ -51,22 +55,28 @@ STEPPER_IDLE_S = 1.0
 
 
 class SharedDecoder:
-    """One ``llama_decode`` a step for the rows of every waiting slot of ``ctx``."""
+    """One ``llama_decode`` a step for the rows of every waiting slot of ``ctx``, and where a
+    draft model runs in the slots, one of its context ``draft_ctx`` for theirs first."""
 
     def __init__(self, ctx: Context, max_rows: int = SLOT_STEP,
-                 prompt_ahead: int = SLOT_PROMPT_AHEAD):
-        self.ctx = ctx
-        self.max_rows = min(max_rows, ctx.n_batch)
+                 prompt_ahead: int = SLOT_PROMPT_AHEAD, draft_ctx: Context | None = None):
+        self.ctx, self.draft_ctx = ctx, draft_ctx
+        # the contexts a step decodes, the draft's first: a slot waits on one at a time
+        self._ctxs = [c for c in (draft_ctx, ctx) if c is not None]
+        self.max_rows = min([max_rows] + [c.n_batch for c in self._ctxs])
         self.prompt_ahead = prompt_ahead
-        self._ahead = 0     # prompt rows gone ahead of waiting slots since they last had a step
+        # per context: prompt rows gone ahead of waiting slots since they last had a step
+        self._ahead = {id(c): 0 for c in self._ctxs}
         self._cond = threading.Condition()
         self._in_use = 0
-        self._waiting: dict[int, list[tuple]] = {}     # slot -> rows, in arrival order
+        # slot -> (rows, divisible, context), in arrival order
+        self._waiting: dict[int, tuple] = {}
         self._reading: dict[int, int] = {}   # slot -> when its prompt came, while read
         self._prompts = 0
         self._done: dict[int, int | BaseException] = {}
-        self._batch = Batch(ctx.n_batch)
-        self.steps = 0      # llama_decode calls: how the slots were batched
+        self._batches = {id(c): Batch(c.n_batch) for c in self._ctxs}
+        self.steps = 0      # the target's llama_decode calls: how the slots were batched
+        self.draft_steps = 0    # the draft's
         # held by a slot reading its outputs or cutting its cache between steps
         self.lock = threading.Lock()
         self._stepper: threading.Thread | None = None
@@ -105,13 +115,15 @@ class SharedDecoder:
                     return
 
     def decode(self, slot: int, rows: list[tuple[int, int, int, bool]],
-               divisible: bool = False) -> tuple[int, int]:
-        """Decode ``rows`` of (token, position, sequence, logits wanted) in the next step;
-        returns where they start in that step's batch (the outputs are read by that index
-        until the slot asks for its next decode) and how many were decoded: all of them,
-        or where ``divisible`` (a prompt's) the first ones the step had room for."""
+               divisible: bool = False, ctx: Context | None = None) -> tuple[int, int]:
+        """Decode ``rows`` of (token, position, sequence, logits wanted) in ``ctx`` (the
+        target's by default) in the next step; returns where they start in that step's batch
+        of ``ctx`` (the outputs are read by that index until the slot asks for its next
+        decode) and how many were decoded: all of them, or where ``divisible`` (a prompt's)
+        the first ones the step had room for."""
+        ctx = self.ctx if ctx is None else ctx
         with self._cond:
-            self._waiting[slot] = (rows, divisible)
+            self._waiting[slot] = (rows, divisible, ctx)
             if not divisible:     # its prompt, if any, is read
                 self._reading.pop(slot, None)
             elif slot not in self._reading:
@@ -127,20 +139,31 @@ class SharedDecoder:
 
     def _step_if_ready(self) -> bool:
         """With the lock held: one step once every slot in use waits on one (whether it
-        ran). Each slot's rows whole, a prompt's as far as the room left goes; prompts
-        first, until ``prompt_ahead`` of their rows went ahead of the others' (then the
-        others first for a step, the prompts filling the room they leave)."""
+        ran): the draft's batch of the slots waiting on the draft, then the target's of
+        those waiting on the target (a slot drafting and one verifying both advance)."""
         if not self._waiting or len(self._waiting) < self._in_use:
             return False
-        waiting = list(self._waiting.items())
-        others = not all(divisible for _, (_, divisible) in waiting)
-        first = others and self._ahead < self.prompt_ahead
+        for ctx in self._ctxs:
+            waiting = [(s, w) for s, w in self._waiting.items() if w[2] is ctx]
+            if waiting:
+                self._decode(ctx, waiting)
+        self._cond.notify_all()
+        return True
+
+    def _decode(self, ctx: Context, waiting: list) -> None:
+        """One decode of ``ctx`` for its waiting slots: each slot's rows whole, a prompt's as
+        far as the room left goes; prompts first, until ``prompt_ahead`` of their rows went
+        ahead of the others' (then the others first for a step, the prompts filling the room
+        they leave)."""
+        key = id(ctx)
+        others = not all(divisible for _, (_, divisible, _) in waiting)
+        first = others and self._ahead[key] < self.prompt_ahead
         # prompts first, or once their turn is over last, the one that came first first (its
         # first token comes as soon as if it were read alone; prompts that took turns would
         # all wait for the last one's rows); else in the order the slots came
         waiting.sort(key=lambda w: (w[1][1] != first, self._reading.get(w[0], 0)))
         taken, rows = [], []
-        for slot, (r, divisible) in waiting:
+        for slot, (r, divisible, _) in waiting:
             room = self.max_rows - len(rows)
             if room <= 0 or (rows and len(r) > room and not divisible):
                 break          # the next step takes it first
@@ -150,14 +173,18 @@ class SharedDecoder:
             rows += r
         ahead = sum(n for s, _, n in taken if self._waiting[s][1]) if first else 0
         if ahead and len(taken) < len(waiting):
-            self._ahead += ahead
+            self._ahead[key] += ahead
         else:   # the others had a step, none of it behind a prompt: no one waits on one
-            self._ahead = 0
+            self._ahead[key] = 0
+        batch = self._batches[key]
         try:
-            self._batch.set_rows(rows)
+            batch.set_rows(rows)
             with self.lock:   # a cache edit from a slot no longer in use waits for the step
-                self.ctx.decode(self._batch)
-            self.steps += 1
+                ctx.decode(batch)
+            if ctx is self.ctx:
+                self.steps += 1
+            else:
+                self.draft_steps += 1
             failed = None
         except BaseException as e:    # every slot of the step gets it: the step did not run
             failed = e
@@ -166,8 +193,6 @@ class SharedDecoder:
             if failed is not None:
                 self._reading.pop(slot, None)
             self._done[slot] = (at, n) if failed is None else failed
-        self._cond.notify_all()
-        return True
 
 
 class SlotContext:
@@ -188,7 +213,7 @@ class SlotContext:
         go in the next decode (Sequence.decode goes on from there)."""
         rows = [(t, pos, self.seq_id, out) for t, pos, _, out in batch.rows()]
         divisible = len(rows) > 1 and not any(r[3] for r in rows[:-1])
-        self._at, n = self._decoder.decode(self.seq_id, rows, divisible)
+        self._at, n = self._decoder.decode(self.seq_id, rows, divisible, self._ctx)
         self._outputs = [i for i, r in enumerate(rows[:n]) if r[3]]
         return n
 
@@ -235,15 +260,16 @@ class _SlotTarget:
 
 
 class SlotLLM:
-    """What a mode sees of ``llm`` in one slot: the target's sequence is the slot's, the
-    rest (models, tokenizer, what modes derived once) is the LLM's. Only modes that decode
-    the target alone run here: a draft model's context is not shared between slots."""
+    """What a mode sees of ``llm`` in one slot: the target's sequence is the slot's, and where
+    the slots run the draft model, the draft's sequence too; the rest (models, tokenizer,
+    what modes derived once) is the LLM's."""
 
-    shares_steps = True     # a mode runs its slot variant: no draft model (speculative/mode.py)
+    shares_steps = True     # a mode runs its slot variant (speculative/mode.py)
 
-    def __init__(self, llm, ctx: SlotContext):
+    def __init__(self, llm, ctx: SlotContext, draft_ctx: SlotContext | None = None):
         self._llm = llm
         self.tgt = _SlotTarget(ctx)
+        self._dft = _SlotTarget(draft_ctx) if draft_ctx is not None else None
 
     def __getattr__(self, name: str):
         return getattr(self._llm, name)
@@ -263,19 +289,37 @@ class SlotLLM:
 
     @property
     def dft(self):
-        raise SpeceeError("a draft model is not run in a slot shared with other requests")
+        if self._dft is None:
+            raise SpeceeError("no draft model runs in this server's slots (start it with "
+                              "--draft and --gamma N for one)")
+        return self._dft
+
+    @property
+    def draft_loaded(self) -> bool:
+        return self._dft is not None
+
+    def release_draft(self) -> None:
+        """Nothing: the draft's context is every slot's."""
+
+    def set_draft_flash_attn(self, flash_attn) -> None:
+        raise SpeceeError("a slot's draft context is every slot's: it is not opened again")
 
     def reset(self) -> None:
         self.tgt.seq.rewind(0)
+        if self._dft is not None:
+            self._dft.seq.rewind(0)
 
     stream = LLM.stream
     generate = LLM.generate
 
 
 def slots(llm) -> tuple[SharedDecoder, list[SlotLLM]]:
-    """The decoder of ``llm``'s target context and one SlotLLM per sequence it holds
+    """The decoder of ``llm``'s target context (and of its draft's, where slots run the
+    draft: ``llm.slots_draft``) and one SlotLLM per sequence it holds
     (``LoadConfig.n_seq``)."""
     ctx = llm.tgt.ctx
-    decoder = SharedDecoder(ctx)
-    return decoder, [SlotLLM(llm, SlotContext(ctx, decoder, i, llm.n_ctx))
+    dft = llm.dft.ctx if llm.slots_draft else None
+    decoder = SharedDecoder(ctx, draft_ctx=dft)
+    return decoder, [SlotLLM(llm, SlotContext(ctx, decoder, i, llm.n_ctx),
+                             SlotContext(dft, decoder, i, llm.n_ctx) if dft else None)
                      for i in range(llm.tgt.n_seq)]

@@ -175,7 +175,7 @@ class Server:
         given = extra is not None and (extra.mode is not None or extra.gamma is not None)
         mode = modes.get(extra.mode) if given and extra.mode else cfg.mode
         n = self.worker.slots
-        if why := mode.refused_with_slots(n):
+        if why := mode.refused_with_slots(n, draft=self.llm.slots_draft):
             raise FieldError("specee.mode", f"{why}; start the server with --parallel 1 "
                                             f"for it")
         if not given:
@@ -188,7 +188,7 @@ class Server:
             if "gamma" not in {f.name for f in fields(options)}:
                 raise SpeceeError(f"specee.gamma applies to mode spec, not {mode.name}")
             options = replace(options, gamma=parse_gamma(str(extra.gamma)))
-            if why := mode.refused_with_slots(n, options):
+            if why := mode.refused_with_slots(n, options, draft=self.llm.slots_draft):
                 raise FieldError("specee.gamma", f"{why}; start the server with --parallel 1 "
                                                  f"for it")
         return mode, options

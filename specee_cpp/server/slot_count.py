@@ -2,8 +2,8 @@
 
 Slots pay by batching (engine/slot_step.py times by how much on this machine). They cost a
 KV cache of n_ctx tokens each and, in a full step, a slower token for each request. And a
-slot runs no draft model (its context is not shared): where the draft model pays on this
-machine, one request at a time keeps it.
+slot's default (gamma auto) runs no draft model: its costs were measured for one request at
+a time, so where the draft model pays on this machine, one request at a time keeps it.
 
 So the default is ``SLOT_DEFAULT`` slots (llama-server's default count) where this machine's
 timing of such a step gives at least ``SLOT_GAIN`` times the tokens a second of one request
@@ -34,10 +34,11 @@ def default_slots(llm, alone, in_slot, opts, draft_given: bool) -> tuple[int, st
     ``alone`` one request at a time, else mode ``in_slot`` with ``opts`` in each slot;
     ``draft_given``: the command names a draft model (which only one slot runs)."""
     n = SLOT_DEFAULT
-    if why := in_slot.refused_with_slots(n, opts):
+    if why := in_slot.refused_with_slots(n, opts, draft=draft_given):
         return 1, why
     if draft_given:
-        return 1, "--draft: a draft model runs with one request at a time only"
+        return 1, ("--draft: a draft model runs with one request at a time unless "
+                   "--parallel N asks for slots (then at a fixed --gamma N in each)")
     if llm.draft_path is not None and alone.needs_draft:
         verdict = draft_pays(llm)
         if verdict is None:
@@ -45,7 +46,7 @@ def default_slots(llm, alone, in_slot, opts, draft_given: bool) -> tuple[int, st
                        "(measured while idle; a later start decides)")
         if verdict:
             return 1, ("the draft model pays on this machine, and a slot of several runs "
-                       "none")
+                       "none at gamma auto")
     seen, source = step_timing(llm)
     g = gain(seen)
     cost = f"a step of {n} requests costs {seen['step'] / seen['one']:.1f} one-token steps"

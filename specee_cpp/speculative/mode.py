@@ -436,6 +436,14 @@ def spec_runner(llm, sampling, dft, policy, hist, note: str, context_for):
     return run
 
 
+def _prediction_only(llm, sampling, pred):
+    """The free drafter of a run that drafts from no context: the prediction alone, if any."""
+    from .context_drafter import ContextSource, free_draft_max
+
+    return ContextSource(None, prediction=pred, follow_max=free_draft_max(sampling),
+                         is_eog=llm.model.is_eog) if pred else None
+
+
 class Spec(Mode):
     name = "spec"
     Options = SpecOptions
@@ -447,12 +455,16 @@ class Spec(Mode):
     def needs_draft_in(self, slot: bool) -> bool:
         return not slot   # a slot drafts from its context and the prediction only
 
-    def refused_with_slots(self, n: int, opts=None) -> str | None:
+    def refused_with_slots(self, n: int, opts=None, draft: bool = False) -> str | None:
         if n > 1 and opts is not None:
-            if opts.gamma not in NEEDS_COSTS:
-                return (f"gamma {opts.gamma} drafts with a draft model, which the slots of "
-                        f"--parallel {n} do not run (gamma auto or stop draft from the "
-                        f"context and the prediction)")
+            g = opts.gamma
+            if isinstance(g, int) and g > 0 and not draft:
+                return (f"gamma {g} drafts with a draft model, which the slots of "
+                        f"--parallel {n} run only where the server starts with --draft "
+                        f"(gamma auto or stop draft from the context and the prediction)")
+            if not isinstance(g, int) and g not in NEEDS_COSTS:
+                return (f"gamma {g} sizes drafts for one request at a time: the slots of "
+                        f"--parallel {n} draft at a fixed --gamma N or gamma auto or stop")
             if opts.history:
                 return (f"history drafts from one user's earlier outputs: not served with "
                         f"--parallel {n}, whose slots serve anyone's requests")
@@ -546,9 +558,7 @@ class Spec(Mode):
                                      follow_max=follow_max, is_eog=llm.model.is_eog,
                                      guard=context_guard(costs),
                                      verify_scale=verify_scale(llm, costs), prediction=pred)
-            # the prediction alone, if any, drafts for free
-            return ContextSource(None, prediction=pred, follow_max=follow_max,
-                                 is_eog=llm.model.is_eog) if pred else None
+            return _prediction_only(llm, sampling, pred)
 
         return spec_runner(llm, sampling, dft, policy, hist, note, context_for)
 
@@ -566,16 +576,23 @@ class Spec(Mode):
         return self._context_only(llm, sampling, opts, note)
 
     def _in_slot(self, llm, sampling, opts):
-        """A slot of a server decoding several requests at once (engine/slots.py): no draft
-        model (its context cannot be shared between slots), drafts from the slot's own
-        context and prediction, priced as a run before this machine's costs are known (the
-        dearest verification rows measured anywhere). A drafted row's price there is its
-        share of a step that every slot waits for, while the token it may save is worth
-        that step's time over the slots' tokens, less than a plain step of one sequence:
-        drafts have to be likelier to hold than alone before they pay, which the dearer
-        prices ask of them."""
-        if why := self.refused_with_slots(llm.n_slots, opts):
+        """A slot of a server decoding several requests at once (engine/slots.py). At a fixed
+        gamma the draft model drafts, a sequence of its context a slot, its rows batched
+        across the slots as the target's are. Else drafts from the slot's own context and
+        prediction, priced as a run before this machine's costs are known (the dearest
+        verification rows measured anywhere), and no draft model: a drafted row's price
+        there is its share of a step that every slot waits for, while the token it may save
+        is worth that step's time over the slots' tokens, less than a plain step of one
+        sequence: drafts have to be likelier to hold than alone before they pay, which the
+        dearer prices ask of them; the draft model's costs were measured alone."""
+        if why := self.refused_with_slots(llm.n_slots, opts, draft=llm.slots_draft):
             raise SpeceeError(why)
+        if isinstance(opts.gamma, int):
+            note = (f"a slot of several: draft {llm.draft_path.name}, gamma {opts.gamma}"
+                    if opts.gamma else "a slot of several: gamma 0")
+            dft = llm.dft.seq if opts.gamma else None
+            return spec_runner(llm, sampling, dft, draft_policy(llm, opts), None, note,
+                               lambda pred: _prediction_only(llm, sampling, pred))
         return self._context_only(llm, sampling, opts, "a slot of several: drafts from the "
                                   "context and the prediction, no draft model")
 
