@@ -401,6 +401,23 @@ def test_load_script_loses_nothing(small_model):
     assert s["sent"] == s["completed"] == s["server"]["served"] == 8, s
     for client in (0, 1):
         assert [q["turn"] for q in s["requests"] if q["client"] == client] == [0, 1, 0, 1], s
+    # an open loop: the requests go at their Poisson times (seeded: the same on every run),
+    # whether the ones before were answered or not
+    import random
+
+    r = subprocess.run([sys.executable, str(script), str(small_model), "--rate", "2",
+                        "--requests", "4", "--max-tokens", "8", "--parallel", "2"],
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["requests_in_all"] == 4 and s["rate"] == 2 and s["clients"] is None, s
+    assert s["sent"] == s["completed"] == s["server"]["served"] == 4, s
+    rng, at, times = random.Random(0), 0.0, []
+    for _ in range(4):
+        at += rng.expovariate(2)
+        times.append(at)
+    starts = [q["start_s"] for q in s["requests"]]
+    assert all(t - 0.01 <= x < t + 0.5 for x, t in zip(starts, times)), (starts, times)
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")

@@ -453,7 +453,9 @@ class Spec(Mode):
     help = "draft then verify (lossless); --gamma picks the draft length"
 
     def needs_draft_in(self, slot: bool) -> bool:
-        return not slot   # a slot drafts from its context and the prediction only
+        # a slot drafts from its context and the prediction, from the draft model only at
+        # a fixed gamma where the server runs one in its slots (refused_with_slots says so)
+        return not slot
 
     def refused_with_slots(self, n: int, opts=None, draft: bool = False) -> str | None:
         if n > 1 and opts is not None:
