@@ -200,6 +200,18 @@ def test_slots_that_run_the_draft_model_each_equal_plain_decoding_alone(drafting
         assert decoder.steps - before < 2 * N + 6
 
 
+def test_a_slot_at_gamma_0_drafts_from_the_prediction_alone(shared, alone):
+    """gamma 0 in a slot of a server without a draft model: no model drafts, the
+    prediction's drafts are verified, the answer is plain's alone."""
+    decoder, views = slots(shared)
+    out, stats = [], []
+    _run(views[0], PROMPTS[0], out, decoder, stats=stats, mode="spec", gamma=0,
+         prediction=alone[0].text)
+    assert out == alone[0].tokens
+    by = stats[-1].by_source
+    assert set(by) == {"prediction"} and by["prediction"][1] >= N // 2, by
+
+
 def test_a_step_decodes_the_draft_s_waiting_slots_then_the_target_s():
     """A slot drafting waits on the draft's context while another waits on the target's:
     neither waits for the other, one step decodes both batches, the draft's first."""
