@@ -388,7 +388,8 @@ def main() -> None:
     summary = {
         "clients": None if args.rate else args.clients, "rate": args.rate,
         "parallel": args.parallel,
-        "seconds": None if args.requests else args.seconds, "requests_each": None if args.rate else args.requests,
+        "seconds": None if args.requests else args.seconds,
+        "requests_each": None if args.rate else args.requests,
         **({"requests_in_all": args.requests} if args.rate else {}),
         "max_tokens": args.max_tokens, "traffic": args.traffic,
         "prediction": args.prediction,

@@ -54,6 +54,16 @@ from .sequence import Sequence
 STEPPER_IDLE_S = 1.0
 
 
+class _Lane:
+    """One context's side of the steps: its batch, its decodes, and the prompt rows gone
+    ahead of its waiting slots since they last had a step."""
+
+    def __init__(self, ctx: Context):
+        self.ctx, self.batch = ctx, Batch(ctx.n_batch)
+        self.ahead = 0
+        self.steps = 0      # llama_decode calls: how the slots were batched
+
+
 class SharedDecoder:
     """One ``llama_decode`` a step for the rows of every waiting slot of ``ctx``, and where a
     draft model runs in the slots, one of its context ``draft_ctx`` for theirs first."""
@@ -61,25 +71,32 @@ class SharedDecoder:
     def __init__(self, ctx: Context, max_rows: int = SLOT_STEP,
                  prompt_ahead: int = SLOT_PROMPT_AHEAD, draft_ctx: Context | None = None):
         self.ctx, self.draft_ctx = ctx, draft_ctx
+        self._target = _Lane(ctx)
+        self._draft = _Lane(draft_ctx) if draft_ctx is not None else None
         # the contexts a step decodes, the draft's first: a slot waits on one at a time
-        self._ctxs = [c for c in (draft_ctx, ctx) if c is not None]
-        self.max_rows = min([max_rows] + [c.n_batch for c in self._ctxs])
+        self._lanes = [lane for lane in (self._draft, self._target) if lane is not None]
+        self.max_rows = min([max_rows] + [lane.ctx.n_batch for lane in self._lanes])
         self.prompt_ahead = prompt_ahead
-        # per context: prompt rows gone ahead of waiting slots since they last had a step
-        self._ahead = {id(c): 0 for c in self._ctxs}
         self._cond = threading.Condition()
         self._in_use = 0
         # slot -> (rows, divisible, context), in arrival order
         self._waiting: dict[int, tuple] = {}
         self._reading: dict[int, int] = {}   # slot -> when its prompt came, while read
         self._prompts = 0
-        self._done: dict[int, int | BaseException] = {}
-        self._batches = {id(c): Batch(c.n_batch) for c in self._ctxs}
-        self.steps = 0      # the target's llama_decode calls: how the slots were batched
-        self.draft_steps = 0    # the draft's
+        self._done: dict[int, tuple[int, int] | BaseException] = {}
         # held by a slot reading its outputs or cutting its cache between steps
         self.lock = threading.Lock()
         self._stepper: threading.Thread | None = None
+
+    @property
+    def steps(self) -> int:
+        """The target's llama_decode calls: how the slots were batched."""
+        return self._target.steps
+
+    @property
+    def draft_steps(self) -> int:
+        """The draft's."""
+        return self._draft.steps if self._draft is not None else 0
 
     def enter(self) -> None:
         """A slot starts decoding: the next step waits for its rows too."""
@@ -143,21 +160,20 @@ class SharedDecoder:
         those waiting on the target (a slot drafting and one verifying both advance)."""
         if not self._waiting or len(self._waiting) < self._in_use:
             return False
-        for ctx in self._ctxs:
-            waiting = [(s, w) for s, w in self._waiting.items() if w[2] is ctx]
+        for lane in self._lanes:
+            waiting = [(s, w) for s, w in self._waiting.items() if w[2] is lane.ctx]
             if waiting:
-                self._decode(ctx, waiting)
+                self._decode(lane, waiting)
         self._cond.notify_all()
         return True
 
-    def _decode(self, ctx: Context, waiting: list) -> None:
-        """One decode of ``ctx`` for its waiting slots: each slot's rows whole, a prompt's as
+    def _decode(self, lane: _Lane, waiting: list) -> None:
+        """One decode of ``lane``'s context for its waiting slots: each slot's rows whole, a prompt's as
         far as the room left goes; prompts first, until ``prompt_ahead`` of their rows went
         ahead of the others' (then the others first for a step, the prompts filling the room
         they leave)."""
-        key = id(ctx)
         others = not all(divisible for _, (_, divisible, _) in waiting)
-        first = others and self._ahead[key] < self.prompt_ahead
+        first = others and lane.ahead < self.prompt_ahead
         # prompts first, or once their turn is over last, the one that came first first (its
         # first token comes as soon as if it were read alone; prompts that took turns would
         # all wait for the last one's rows); else in the order the slots came
@@ -173,18 +189,14 @@ class SharedDecoder:
             rows += r
         ahead = sum(n for s, _, n in taken if self._waiting[s][1]) if first else 0
         if ahead and len(taken) < len(waiting):
-            self._ahead[key] += ahead
+            lane.ahead += ahead
         else:   # the others had a step, none of it behind a prompt: no one waits on one
-            self._ahead[key] = 0
-        batch = self._batches[key]
+            lane.ahead = 0
         try:
-            batch.set_rows(rows)
+            lane.batch.set_rows(rows)
             with self.lock:   # a cache edit from a slot no longer in use waits for the step
-                ctx.decode(batch)
-            if ctx is self.ctx:
-                self.steps += 1
-            else:
-                self.draft_steps += 1
+                lane.ctx.decode(lane.batch)
+            lane.steps += 1
             failed = None
         except BaseException as e:    # every slot of the step gets it: the step did not run
             failed = e
@@ -293,10 +305,6 @@ class SlotLLM:
             raise SpeceeError("no draft model runs in this server's slots (start it with "
                               "--draft and --gamma N for one)")
         return self._dft
-
-    @property
-    def draft_loaded(self) -> bool:
-        return self._dft is not None
 
     def release_draft(self) -> None:
         """Nothing: the draft's context is every slot's."""
