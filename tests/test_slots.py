@@ -16,6 +16,7 @@ from specee_cpp.config import SLOT_STEP, LoadConfig
 from specee_cpp.engine.llm import LLM
 from specee_cpp.engine.slots import SharedDecoder, slots
 from specee_cpp.errors import SpeceeError
+from specee_cpp.speculative.mode import SpecOptions, draft_policy
 
 PROMPTS = ["Write one sentence about the sea.",
            "List three colours of the rainbow.",
@@ -57,7 +58,7 @@ def drafting(small_model, rough_draft):
 
 
 def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None, stats=None,
-         **kw):
+         max_tokens=N, **kw):
     """A slot thread: generate ``prompt`` on ``view`` (after ``wait`` is set), recording its
     tokens (and in ``stats`` the last step's statistics); ``stop_after``: close the stream
     after that many (a client that left); ``kw``: the mode and prediction."""
@@ -65,7 +66,7 @@ def _run(view, prompt, out, decoder, started=None, wait=None, stop_after=None, s
         wait.wait()
     decoder.enter()
     try:
-        steps = view.stream(prompt, max_tokens=N, **kw)
+        steps = view.stream(prompt, max_tokens=max_tokens, **kw)
         try:
             for step in steps:
                 if stats is not None and step.stats is not None:
@@ -210,6 +211,28 @@ def test_a_slot_at_gamma_0_drafts_from_the_prediction_alone(shared, alone):
     assert out == alone[0].tokens
     by = stats[-1].by_source
     assert set(by) == {"prediction"} and by["prediction"][1] >= N // 2, by
+
+
+def test_a_slot_drafts_as_long_as_a_step_verifies(drafting):
+    """A slot's longest draft fills one step: at gamma SLOT_STEP - 1 (room for it left in
+    max_tokens) the draft model's rounds are verified in a step's every row, and the answer
+    is plain's in that server (its first 4 tokens: each round drafts 63 tokens, mostly
+    rejected); a longer gamma is refused before a token, where no step could hold it."""
+    decoder, views = slots(drafting)
+    with pytest.raises(SpeceeError, match=f"gamma {SLOT_STEP} does not fit a step of the "
+                                          f"slots of --parallel 4"):
+        views[0].stream(PROMPTS[1], mode="spec", gamma=SLOT_STEP)
+    with pytest.raises(SpeceeError, match=rf"gamma must be in \[0, {SLOT_STEP}\)"):
+        draft_policy(views[0], SpecOptions(gamma=SLOT_STEP))
+    plain, out = [], []
+    _run(views[0], PROMPTS[1], plain, decoder, max_tokens=2 * SLOT_STEP, stop_after=4,
+         mode="plain")
+    before = decoder.draft_steps
+    _run(views[1], PROMPTS[1], out, decoder, max_tokens=2 * SLOT_STEP, stop_after=4,
+         mode="spec", gamma=SLOT_STEP - 1)
+    assert out == plain and len(plain) == 4
+    # the draft decodes a token a step (one slot): whole rounds of SLOT_STEP - 1 were drafted
+    assert decoder.draft_steps - before >= SLOT_STEP - 1, decoder.draft_steps - before
 
 
 def test_a_step_decodes_the_draft_s_waiting_slots_then_the_target_s():
@@ -408,6 +431,13 @@ def test_serve_parallel_with_a_draft_runs_it_in_each_slot(small_model, rough_dra
             said = answers[i][1]
             assert said["n_drafted"] > 0 and f"draft {rough_draft.name}, gamma {gamma}" \
                 in said["note"], said
+        # a draft no step holds: refused before a token, naming the field
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
+                max_tokens=N, extra_body={"specee": {"gamma": SLOT_STEP}})
+        err = e.value.body
+        assert err["param"] == "specee.gamma" and "does not fit a step" in err["message"], err
     finally:
         p.terminate()
         _, stderr = p.communicate(timeout=30)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from ..config import SLOT_STEP
 from ..engine.draft_attention import draft_attention
 from ..engine.modes import Mode, in_a_slot, no_status, register
 from ..engine.plain import PLAIN
@@ -382,8 +383,10 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec", costs=None):
     g = opts.gamma
     if costs is None and g in NEEDS_COSTS:
         costs = cost_model(llm)
-    if isinstance(g, int) and g >= llm.config.n_batch:
-        raise SpeceeError(f"gamma must be in [0, {llm.config.n_batch}), got {g}")
+    # a draft is verified in one decode: in a server's slot, one step of the slots
+    rows = llm.tgt.ctx.n_batch
+    if isinstance(g, int) and g >= rows:
+        raise SpeceeError(f"gamma must be in [0, {rows}), got {g}")
     policy = make_policy(g, model=acceptance_model(llm, opts.controller) if g in NEEDS_MODEL
                          else None,
                          costs=costs if g in NEEDS_COSTS else None,
@@ -464,6 +467,10 @@ class Spec(Mode):
                 return (f"gamma {g} drafts with a draft model, which the slots of "
                         f"--parallel {n} run only where the server starts with --draft "
                         f"(gamma auto or stop draft from the context and the prediction)")
+            if isinstance(g, int) and g >= SLOT_STEP:
+                return (f"gamma {g} does not fit a step of the slots of --parallel {n}, "
+                        f"which verifies a draft and the token before it in at most "
+                        f"{SLOT_STEP} rows: at most gamma {SLOT_STEP - 1}")
             if not isinstance(g, int) and g not in NEEDS_COSTS:
                 return (f"gamma {g} sizes drafts for one request at a time: the slots of "
                         f"--parallel {n} draft at a fixed --gamma N or gamma auto or stop")
