@@ -36,6 +36,8 @@ FIXED_GAMMAS = (1, 2, 3, 4, 6, MAX_GAMMA)  # fixed draft lengths profiled and be
 # greedy output does not depend on what the other slots decode; and a slot's longest
 # verification (a context draft's) fits one step
 SLOT_STEP = MAX_FREE_VERIFY
+# the most sequences (slots) one llama.cpp context holds (its LLAMA_MAX_SEQ)
+MAX_SEQ = 256
 # a new prompt's rows go first in a step, up to this many while other slots wait, then the
 # others go first for a step: a prompt of up to one batch is read as fast as it is alone (its
 # first token waits on no one's verification), a longer one pauses the others a batch at a time
@@ -182,8 +184,8 @@ class LoadConfig:
             raise SpeceeError(f"n_ctx must be at least 16, got {self.n_ctx}")
         if self.n_batch < 1:
             raise SpeceeError(f"n_batch must be positive, got {self.n_batch}")
-        if self.n_seq < 1:
-            raise SpeceeError(f"the number of sequences must be positive, got {self.n_seq}")
+        if not 1 <= self.n_seq <= MAX_SEQ:
+            raise SpeceeError(f"the number of sequences must be 1..{MAX_SEQ}, got {self.n_seq}")
         if self.n_threads < 0:
             raise SpeceeError(f"n_threads must be >= 0, got {self.n_threads}")
         cpus = os.cpu_count() or 1

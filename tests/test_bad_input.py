@@ -155,6 +155,8 @@ def test_a_lone_surrogate_is_refused_by_the_api(tiny_llama):
     (["serve", "{model}", "--api-key", ""], "--api-key (or SPECEE_CPP_API_KEY) is empty"),
     (["serve", "{model}", "--api-key", "  "], "--api-key (or SPECEE_CPP_API_KEY) is empty"),
     (["serve", "{model}", "--threads", "1000"], "1000 threads is more than"),
+    (["serve", "{model}", "--parallel", "0"], "--parallel 0: 1 to 256 requests at a time"),
+    (["serve", "{model}", "--parallel", "257"], "--parallel 257: 1 to 256 requests at a time"),
 ])
 def test_options_are_refused_before_any_work(tiny_llama, tmp_path, args, needle):
     args = [a.format(model=tiny_llama, dir=tmp_path) for a in args]

@@ -638,8 +638,9 @@ def test_a_slot_refuses_what_cannot_share_a_step(shared):
         views[0].stream("hi", mode="spec", gamma="pmin")
     with pytest.raises(SpeceeError, match="history drafts .* not served with --parallel 4"):
         views[0].stream("hi", mode="spec", history=True)
-    with pytest.raises(SpeceeError, match="sequences must be positive"):
-        LoadConfig(n_seq=0)
+    for n in (0, 257):    # llama.cpp holds at most 256 sequences in a context
+        with pytest.raises(SpeceeError, match=rf"sequences must be 1\.\.256, got {n}"):
+            LoadConfig(n_seq=n)
 
 
 @pytest.mark.model

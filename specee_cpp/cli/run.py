@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from ..config import MAX_SEQ
 from ..errors import SpeceeError
 from ..text import checked
 from .common import (ModeFlags, OptCtx, OptDraft, OptGpu, OptMaxTokens, OptSeed, OptTemp,
@@ -282,8 +283,9 @@ def serve(
         # an empty key would turn authentication off without a word
         raise SpeceeError("--api-key (or SPECEE_CPP_API_KEY) is empty: give a key, or leave "
                           "both out to serve without one")
-    if parallel is not None and parallel < 1:
-        raise SpeceeError(f"--parallel {parallel}: at least 1 request at a time")
+    if parallel is not None and not 1 <= parallel <= MAX_SEQ:
+        raise SpeceeError(f"--parallel {parallel}: 1 to {MAX_SEQ} requests at a time (the "
+                          f"sequences one llama.cpp context holds)")
     # a slot's decodes share each step's batch with the other slots': no staged ones; its
     # default mode drafts from the context and the prediction, where they pay, and a draft
     # model runs in each slot at a fixed --gamma only (gamma auto prices its drafts with
