@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 
 class Extra(BaseModel):
@@ -18,7 +18,8 @@ class Extra(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Optional[str] = None                       # default: the server's --mode
-    gamma: Optional[Union[int, str]] = None          # spec: a number or auto/stop/pmin/hf/speckv
+    # spec: a number or auto/stop/pmin/hf/speckv (strict: JSON true is no number of tokens)
+    gamma: Optional[Union[StrictInt, StrictStr]] = None
     ignore_eos: bool = False                          # run to max_tokens (load tests)
 
 
