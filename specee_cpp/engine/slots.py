@@ -168,10 +168,10 @@ class SharedDecoder:
         return True
 
     def _decode(self, lane: _Lane, waiting: list) -> None:
-        """One decode of ``lane``'s context for its waiting slots: each slot's rows whole, a prompt's as
-        far as the room left goes; prompts first, until ``prompt_ahead`` of their rows went
-        ahead of the others' (then the others first for a step, the prompts filling the room
-        they leave)."""
+        """One decode of ``lane``'s context for its waiting slots: each slot's rows whole, a
+        prompt's as far as the room left goes; prompts first, until ``prompt_ahead`` of their
+        rows went ahead of the others' (then the others first for a step, the prompts
+        filling the room they leave)."""
         others = not all(divisible for _, (_, divisible, _) in waiting)
         first = others and lane.ahead < self.prompt_ahead
         # prompts first, or once their turn is over last, the one that came first first (its
