@@ -95,6 +95,11 @@ PREDICTION_NEAR = 64       # tokens after the point left within which the short 
 PREDICTION_PRIOR_JOIN = (2.0, 1.0)
 PREDICTION_PRIOR_RUN = (9.0, 1.0)
 PREDICTION_RUN = 4
+# a substitution the output made in the prediction (a rename) and is drafted again where its
+# span recurs: a span of up to PREDICTION_SPAN tokens, replaced by up to
+# PREDICTION_REPLACEMENT (longer changes are rewrites, which do not repeat token for token)
+PREDICTION_SPAN = 3
+PREDICTION_REPLACEMENT = 8
 # a verification's cost in plain tokens where no table of this machine's is at hand (plain
 # mode): 1 + PREDICTION_ROW_COST per row past the first, the dearest rows measured on any
 # machine (a 2-core Zen 4 EPYC, whose AVX-512 runs as two 256-bit halves: 16 rows 8.6 and

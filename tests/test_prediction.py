@@ -66,6 +66,40 @@ def test_rates_are_learned_per_answer():
     assert p.rate(1) > run
 
 
+# an edit's original where one token (50) recurs: a rename changes it everywhere
+REN = [10, 11, 12, 50, 13, 14, 15, 16, 50, 17, 18, 19, 20, 50, 21, 22, 23, 24]
+
+
+def test_a_substitution_is_learned_and_drafted_where_its_span_recurs():
+    p = Prediction(REN)
+    p.observe([10, 11, 12, 90, 91, 13, 14])    # 50 -> 90 91, rejoined on 13 14
+    assert p.subs == {}                        # not before the rejoin holds
+    p.observe([15])
+    assert p.continuation(6)[0] == [16, 90, 91, 17, 18, 19]
+    run = p.run
+    p.observe([16, 90, 91, 17])                # made again: followed, no break
+    assert p.run == run + 4 and p.continuation(5)[0] == [18, 19, 20, 90, 91]
+
+
+def test_a_substitution_the_output_does_not_repeat_is_dropped():
+    p = Prediction(REN)
+    p.observe([10, 11, 12, 90, 91, 13, 14, 15, 16])
+    run = p.run
+    p.observe([50])                            # the original where it was expected
+    assert p.run == run + 1 and p.continuation(3)[0] == [17, 18, 19]
+    p.observe([17, 18, 19, 20])
+    assert p.continuation(2)[0] == [50, 21]    # no longer drafted
+
+
+def test_chance_rejoins_and_rewrites_teach_no_substitution():
+    p = Prediction(REN)
+    p.observe([10, 11, 12, 90, 91, 13, 14, 77])   # the rejoin broke at once
+    assert p.subs == {}
+    q = Prediction(PRED)
+    q.observe([100, 101, 7, 8, 106, 107, 108])    # four tokens rewritten: no rename
+    assert q.continuation(1)[0] == [109] and q.subs == {}
+
+
 def test_assumed_costs_pay_only_for_likely_runs():
     from specee_cpp.speculative.context_drafter import best_prefix
     import numpy as np
@@ -136,11 +170,22 @@ def edited(tokens: list[int]) -> list[int]:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("kind", ["matching", "partly", "unrelated"])
+def renamed(tokens: list[int]) -> list[int]:
+    """A prediction the output renames: its most frequent token (after the first) stands
+    for another one everywhere, as a variable's old name does in an edit's original."""
+    t = list(tokens)
+    old = max(set(t[1:]), key=t[1:].count)
+    assert t.count(old) >= 3
+    new = max(t) + 1
+    return [new if x == old else x for x in t]
+
+
+@pytest.mark.parametrize("kind", ["matching", "partly", "renamed", "unrelated"])
 def test_greedy_output_with_a_prediction_equals_plain(pair, plain, kind):
     from specee_cpp.speculative.mode import SpecOptions, use_cost_model
 
     pred = {"matching": plain.tokens, "partly": edited(plain.tokens),
+            "renamed": renamed(plain.tokens),
             "unrelated": pair.prediction_tokens("The committee met on Tuesday to discuss the "
                                                 "budget, the new library and the parking.")}[kind]
     use_cost_model(pair, COSTS)
@@ -160,6 +205,9 @@ def test_greedy_output_with_a_prediction_equals_plain(pair, plain, kind):
         elif kind == "partly":
             assert accepted >= 0.45 * N, (name, res.stats.by_source)   # ~6 tokens a rejoin
             assert rejected_usage == len(pred) - accepted_usage > 0
+        elif kind == "renamed":
+            # drafted through the renamed token (without: 4-16 accepted)
+            assert accepted >= 0.45 * N, (name, res.stats.by_source)
         else:
             assert drafted <= 8, (name, res.stats.by_source)
 

@@ -11,6 +11,12 @@ learned per answer, apart for a token just after a (re)join and one inside a run
 has followed, so an unrelated prediction, whose chance rejoins break at once, soon stops
 drafting.
 
+An edit repeats itself: a renamed variable is renamed wherever it occurs. Where the output
+left the prediction and rejoined it, having put a few tokens in place of a short span of it
+(PREDICTION_SPAN), that substitution is learned, and later occurrences of the span are
+drafted (and followed) as their replacement, until the output keeps the original where the
+substitution was expected more often than it made it.
+
 Verification keeps the output the target's: greedy output equals plain decoding's.
 """
 from __future__ import annotations
@@ -20,8 +26,8 @@ from collections import defaultdict
 import numpy as np
 
 from ..config import (PREDICTION_FAR_GRAM, PREDICTION_GRAM, PREDICTION_NEAR,
-                      PREDICTION_PRIOR_JOIN, PREDICTION_PRIOR_RUN, PREDICTION_ROW_COST,
-                      PREDICTION_RUN)
+                      PREDICTION_PRIOR_JOIN, PREDICTION_PRIOR_RUN, PREDICTION_REPLACEMENT,
+                      PREDICTION_ROW_COST, PREDICTION_RUN, PREDICTION_SPAN)
 
 
 class Prediction:
@@ -38,6 +44,13 @@ class Prediction:
         # per band (0: just joined, 1: inside a run): [kept, broken] drafted tokens
         self.beta = [list(PREDICTION_PRIOR_JOIN), list(PREDICTION_PRIOR_RUN)]
         self._band = 0
+        # the edit's substitutions: a span of the prediction -> [its replacement, times the
+        # output made it, times it kept the original instead]; by the span's first token
+        self.subs: dict[tuple, list] = {}
+        self._spans: dict[int, list[tuple]] = defaultdict(list)
+        self._detour: list[int] | None = None   # output since it left a followed stretch
+        self._in: tuple[tuple, int] | None = None   # (span, replacement tokens out so far)
+        self._pending: tuple[tuple, list[int]] | None = None   # learned once its rejoin holds
 
     def _index(self, n: int) -> dict[tuple, list[int]]:
         """n-gram -> the positions after each of its occurrences, in order."""
@@ -47,32 +60,103 @@ class Prediction:
             at[tuple(t[i:i + n])].append(i + n)
         return dict(at)
 
+    def _span_at(self, i: int) -> tuple | None:
+        """A learned substitution whose span starts at prediction index ``i``, while the
+        output has made it at least as often as it kept the original there."""
+        for span in self._spans.get(self.tokens[i], ()) if i < len(self.tokens) else ():
+            made, kept = self.subs[span][1:]
+            if kept <= made and tuple(self.tokens[i:i + len(span)]) == span:
+                return span
+        return None
+
+    def _expected(self) -> int | None:
+        """The token the prediction says comes next (None: the output is not in it)."""
+        if self.at is None:
+            return None
+        if self._in is not None:
+            span, k = self._in
+            return self.subs[span][0][k]
+        if self.at >= len(self.tokens):
+            return None
+        span = self._span_at(self.at)
+        return self.subs[span][0][0] if span is not None else self.tokens[self.at]
+
+    def _advance(self) -> None:
+        """The output emitted the expected token."""
+        if self._in is None and (span := self._span_at(self.at)) is not None:
+            self._in = (span, 0)
+        if self._in is None:
+            self.at += 1
+        else:
+            span, k = self._in
+            self._in = (span, k + 1)
+            if k + 1 == len(self.subs[span][0]):   # the whole replacement: past the span
+                self.subs[span][1] += 1
+                self.at += len(span)
+                self._in = None
+        self.run += 1
+        if self._pending is not None and self.run >= 1:   # the rejoin holds
+            span, replacement = self._pending
+            self.subs[span] = [replacement, 0, 0]
+            self._spans[span[0]].append(span)
+            self._pending = None
+
     def observe(self, tokens) -> None:
         """Emitted output tokens, in order."""
         for t in tokens:
-            if self.at is not None and self.at < len(self.tokens) and self.tokens[self.at] == t:
+            expected = self._expected()
+            if expected is not None and t == expected:
+                self._advance()
+            elif expected is not None and self._in is None and self.tokens[self.at] == t:
+                # the original where a substitution was expected: it goes on from there
+                self.subs[self._span_at(self.at)][2] += 1
                 self.at += 1
                 self.run += 1
             else:
+                if self._in is not None:
+                    self.subs[self._in[0]][2] += 1
+                    self._in = None
+                self._pending = None   # its rejoin did not hold
                 if self.at is not None and self.run:
                     # where a followed stretch ends; a rejoin that broke at once was chance
                     # and moves nothing
                     self.left = self.at
+                    self._detour = []
                 self.at, self.run = None, 0
             self._last = (self._last + [t])[-PREDICTION_FAR_GRAM:]
             if self.at is None:
-                self.at = self._rejoin()
+                if self._detour is not None:
+                    self._detour.append(t)
+                self.at, gram = self._rejoin()
+                if self.at is not None:
+                    self._pending = self._substitution(gram)
+                    self._detour = None
 
-    def _rejoin(self) -> int | None:
+    def _substitution(self, gram: int) -> tuple[tuple, list[int]] | None:
+        """Having rejoined the prediction on ``gram`` tokens after a detour from a followed
+        stretch: (the span it left out, the tokens it put there) where both are short and
+        the span is not yet known, a substitution the edit may repeat; None otherwise."""
+        if self._detour is None:
+            return None
+        span = tuple(self.tokens[self.left:self.at - gram])
+        replacement = self._detour[:len(self._detour) - gram]
+        if 1 <= len(span) <= PREDICTION_SPAN and 1 <= len(replacement) <= \
+                PREDICTION_REPLACEMENT and list(span) != replacement and span not in self.subs:
+            return span, replacement
+        return None
+
+    def _rejoin(self) -> tuple[int | None, int]:
+        """(where the output rejoins the prediction, the length of the gram it rejoined on);
+        (None, 0): not yet."""
         near = self._near.get(tuple(self._last[-PREDICTION_GRAM:]), ())
         for p in near:
             if self.left <= p <= self.left + PREDICTION_NEAR:
-                return p
+                return p, PREDICTION_GRAM
         if len(self._last) == PREDICTION_FAR_GRAM:
             far = self._far.get(tuple(self._last), ())
             if far:
-                return next((p for p in far if p >= self.left), far[0])
-        return None
+                return next((p for p in far if p >= self.left), far[0]), PREDICTION_FAR_GRAM
+        return None, 0
 
     def rate(self, band: int) -> float:
         kept, broken = self.beta[band]
@@ -83,7 +167,22 @@ class Prediction:
         it) and, per token, the probability that it is right if the ones before were."""
         if self.at is None or n < 1:
             return [], np.zeros(0)
-        toks = self.tokens[self.at:self.at + n]
+        toks: list[int] = []
+        i, inside = self.at, self._in
+        while len(toks) < n:   # the prediction from here, learned substitutions made
+            if inside is None and i < len(self.tokens):
+                span = self._span_at(i)
+                inside = (span, 0) if span is not None else None
+            if inside is not None:
+                span, k = inside
+                toks += self.subs[span][0][k:]
+                i, inside = i + len(span), None
+            elif i < len(self.tokens):
+                toks.append(self.tokens[i])
+                i += 1
+            else:
+                break
+        toks = toks[:n]
         self._band = int(self.run >= PREDICTION_RUN)
         p = np.full(len(toks), self.rate(1))
         if len(p):
