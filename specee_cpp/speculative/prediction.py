@@ -95,7 +95,7 @@ class Prediction:
                 self.at += len(span)
                 self._in = None
         self.run += 1
-        if self._pending is not None and self.run >= 1:   # the rejoin holds
+        if self._pending is not None:   # the rejoin held a token past its gram
             span, replacement = self._pending
             self.subs[span] = [replacement, 0, 0]
             self._spans[span[0]].append(span)
