@@ -169,7 +169,6 @@ def edited(tokens: list[int]) -> list[int]:
     return t[:8] + [t[8] + 1] + t[9:20] + t[40:44] + t[20:36] + t[48:]
 
 
-@pytest.mark.model
 def renamed(tokens: list[int]) -> list[int]:
     """A prediction the output renames: its most frequent token (after the first) stands
     for another one everywhere, as a variable's old name does in an edit's original."""
@@ -180,6 +179,7 @@ def renamed(tokens: list[int]) -> list[int]:
     return [new if x == old else x for x in t]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("kind", ["matching", "partly", "renamed", "unrelated"])
 def test_greedy_output_with_a_prediction_equals_plain(pair, plain, kind):
     from specee_cpp.speculative.mode import SpecOptions, use_cost_model
