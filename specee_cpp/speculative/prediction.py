@@ -69,21 +69,23 @@ class Prediction:
                 return span
         return None
 
-    def _expected(self) -> int | None:
-        """The token the prediction says comes next (None: the output is not in it)."""
+    def _expected(self) -> tuple[int | None, tuple | None]:
+        """The token the prediction says comes next (None: the output is not in it) and the
+        learned substitution whose span starts there (None: none, or one already begun)."""
         if self.at is None:
-            return None
+            return None, None
         if self._in is not None:
             span, k = self._in
-            return self.subs[span][0][k]
+            return self.subs[span][0][k], None
         if self.at >= len(self.tokens):
-            return None
+            return None, None
         span = self._span_at(self.at)
-        return self.subs[span][0][0] if span is not None else self.tokens[self.at]
+        return (self.subs[span][0][0] if span is not None else self.tokens[self.at]), span
 
-    def _advance(self) -> None:
-        """The output emitted the expected token."""
-        if self._in is None and (span := self._span_at(self.at)) is not None:
+    def _advance(self, span: tuple | None) -> None:
+        """The output emitted the expected token, the first of substitution ``span``'s
+        replacement where given."""
+        if span is not None:
             self._in = (span, 0)
         if self._in is None:
             self.at += 1
@@ -104,12 +106,12 @@ class Prediction:
     def observe(self, tokens) -> None:
         """Emitted output tokens, in order."""
         for t in tokens:
-            expected = self._expected()
+            expected, span = self._expected()
             if expected is not None and t == expected:
-                self._advance()
-            elif expected is not None and self._in is None and self.tokens[self.at] == t:
+                self._advance(span)
+            elif span is not None and self.tokens[self.at] == t:
                 # the original where a substitution was expected: it goes on from there
-                self.subs[self._span_at(self.at)][2] += 1
+                self.subs[span][2] += 1
                 self.at += 1
                 self.run += 1
             else:
