@@ -123,6 +123,13 @@ MODEL_DRAFT_MARGIN = 1.05
 # 1.42, 1.50 and 1.87 plain tokens within 20 minutes, enough to flip the verdict
 NEAR_MARGIN = 0.10
 STEADY_RUNS = 3
+# A batch of more rows does at least the work of a smaller one (every weight is read once
+# either way), so a table in which some batch costs under this share of a smaller batch was
+# disturbed while it measured: a neighbour slowed some plain references and not the batches
+# timed against them, or the other way round. Such a table is measured STEADY_RUNS times and
+# taken as the median, and kept only if that passes. Undisturbed tables dip to 0.73 at worst
+# (a model of 0.1 ms a token, where noise is largest); a busy 2-core VM produced 0.23.
+PLAUSIBLE_DIP = 0.4
 # The first estimate of a machine's costs (speculative/cost.estimate_steps): rounds drafting
 # 0, 1, 2, 4 and 8 tokens (the draft model's verdict is read at up to MAX_GAMMA) and a
 # 64-row batch (free drafts), three samples each; seconds instead of the table's minutes

@@ -560,3 +560,83 @@ def test_a_first_estimate_times_the_deciding_sizes_and_reads_the_rest_between():
     whole: dict = {}
     n_table = sum(1 for _ in cost.measure_table_steps(tgt, dft, list(range(10)), whole))
     assert n_estimate * 6 < n_table
+
+
+# what one 2-core VM measured at 1024 tokens of context while other work ran on it: a batch
+# of 3 under a plain token, 24 rows at a third of 16 (in plain tokens; sizes 1-16, then 24-64)
+BUSY = ([1.19, 2.42, 0.72, 2.8, 3.28, 1.2, 3.74, 3.7, 2.27, 4.56, 3.74, 7.59, 4.66, 6.11, 5.56,
+         5.7], [1.76, 5.68, 5.84, 13.6])
+# the same pair at 128 tokens a few minutes earlier, undisturbed
+QUIET = ([1.01, 1.2, 1.45, 1.65, 2.43, 2.74, 3.19, 2.85, 3.7, 3.81, 4.05, 4.28, 4.87, 4.8, 5.76,
+          6.15], [8.72, 11.46, 15.1, 20.88])
+
+
+def _point(ratios, context):
+    return CostModel(target_batch_s=list(ratios[0]), draft_token_s=0.3, plain_token_s=1.0,
+                     context=context, long_sizes=[24, 32, 48, 64],
+                     long_batch_s=list(ratios[1]))
+
+
+def test_a_table_with_a_batch_far_under_a_smaller_one_is_implausible():
+    assert cost.implausible(_point(QUIET, 128)) is None
+    assert cost.implausible(CPU) is None and cost.implausible(GPU) is None
+    why = cost.implausible(cost.CostTable([_point(QUIET, 128), _point(BUSY, 1024)]))
+    assert why == ("at 1024 tokens of context a batch of 3 measured 0.72 plain tokens, "
+                   "a batch of 2 2.42")
+    # past the table's sizes too: 24 rows at 1.76 after 16 at 5.70
+    later = (QUIET[0], [1.76] + QUIET[1][1:])
+    assert "a batch of 24 measured 1.76" in cost.implausible(_point(later, 128))
+    # a dip within what undisturbed tables show (16 rows cheaper than 15) is no sign
+    assert cost.implausible(_point((QUIET[0][:15] + [0.8 * QUIET[0][14]], QUIET[1]), 128)) \
+        is None
+
+
+class _Busy(_Clocked):
+    """A _Clocked target whose first ``slow`` one-token decodes take 5 times as long: a
+    neighbour busy while the plain references are timed and gone for the batches."""
+
+    def __init__(self, *args, slow: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slow = slow
+
+    def _run(self, n):
+        super()._run(n)
+        if n == 1 and self.slow > 0:
+            self.slow -= 1
+            self.clock[0] += 4 * self.cost(n) * self.drift(self.clock[0])
+
+
+def test_a_disturbed_measurement_is_taken_again_and_the_median_kept(tmp_path, monkeypatch):
+    """The first measurement's plain references are slowed (batches of 2-4 read at a fifth
+    of what they cost): the table is measured twice more, and the median of the three is
+    what the batches cost. Undisturbed, one measurement is taken; a table still implausible
+    after its repeats prices the run without being cached."""
+    now = [0.0]
+    t_plain = 0.035
+    verify = lambda n: t_plain * (1.0 + 0.45 * (n - 1))  # noqa: E731
+    steady = lambda t: 1.0  # noqa: E731
+    far = lambda table: 2.0  # noqa: E731   # the draft model's verdict: not near its threshold
+    runs = {}
+    for name, slow in (("quiet", 0), ("busy", 40)):   # 20 plain steps, then 20 references
+        tgt = _Busy(now, verify, steady, slow=slow)
+        dft = _Clocked(now, lambda n: 0.5 * t_plain * n, steady)
+        state: dict = {}
+        list(cost.steady_table_steps(tgt, dft, list(range(10)), state, far,
+                                     clock=lambda: now[0]))
+        runs[name] = state
+    assert "again" not in runs["quiet"]
+    first = cost.table_from({"points": runs["busy"]["points"]})
+    assert cost.implausible(first).startswith("at 128 tokens of context a batch of 2 measured")
+    assert len(runs["busy"]["again"]) == cost.STEADY_RUNS - 1
+    table = cost.table_from(runs["busy"])
+    assert cost.implausible(table) is None
+    for m in table.points:
+        for n in (2, 3, 4, 8, 16, 64):
+            assert m.verify(n) / m.plain == pytest.approx(verify(n) / t_plain, rel=1e-6)
+    # kept only where it is plausible
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    keep = lambda t: cost.implausible(t) is None  # noqa: E731
+    got = cost.load_or_measure("busy", lambda: first, keep=keep)
+    assert got.key == "busy" and got.points[0].target_batch_s == first.points[0].target_batch_s
+    assert not cost.cache_path("busy").exists()
+    assert cost.load_or_measure("quiet", lambda: table, keep=keep) == cost.load_cached("quiet")

@@ -45,7 +45,11 @@ def test_a_stopped_measurement_resumes_where_it_stopped(pair):
     assert len(tgt.tokens) == len(prompt) == len(dft.tokens)   # caches left as measure's
 
 
-def test_a_verdict_near_its_threshold_is_measured_three_times(pair):
+def test_a_verdict_near_its_threshold_is_measured_three_times(pair, monkeypatch):
+    from specee_cpp.speculative import cost
+
+    # one sample a size: a noisy table would be measured three times for that reason too
+    monkeypatch.setattr(cost, "implausible", lambda table: None)
     prompt = pair.prompt_tokens(COST_PROMPT)
     tgt, dft = pair.tgt.seq, pair.dft.seq
     counts = {}
@@ -120,3 +124,35 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
                                options=opts)
         assert "measured while idle" not in again.stats.note   # said once
     pair.defer_costs = False
+
+
+def test_a_table_disturbed_in_idle_time_prices_the_run_and_is_not_kept(pair, monkeypatch):
+    """Where other work disturbed the measurement past its repeats (cost.implausible), the
+    run drafts with what was measured, says so, and the next run measures again."""
+    from specee_cpp.speculative import idle as idle_module
+    from specee_cpp.speculative.cost import as_table
+    from specee_cpp.speculative.idle import partial_path
+    from specee_cpp.speculative.mode import (SpecOptions, cost_key, forget_costs, idle_work,
+                                             measured_costs)
+
+    # the full table (two contexts) reads as disturbed, the first estimate (one) does not
+    monkeypatch.setattr(idle_module, "implausible",
+                        lambda t: "a batch of 3 measured 0.72" if len(as_table(t).points) > 1
+                        else None)
+    key, _ = cost_key(pair)
+    cache_path(key).unlink(missing_ok=True)
+    partial_path(key).unlink(missing_ok=True)
+    forget_costs(pair)
+    pair.defer_costs = True
+    lines: list[str] = []
+    try:
+        idle = idle_work(pair, "spec", SpecOptions(gamma="auto"), log=lines.append)
+        assert idle.run(stop=lambda: False) and idle.done
+        assert not cache_path(key).exists() and not partial_path(key).exists()
+        assert measured_costs(pair) is not None    # this run drafts with it
+        assert any("a batch of 3 measured 0.72), so it is not kept" in line
+                   for line in lines), lines
+        forget_costs(pair)
+        assert measured_costs(pair) is None        # the next run measures again
+    finally:
+        pair.defer_costs = False

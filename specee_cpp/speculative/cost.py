@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..config import (COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY, NEAR_MARGIN, SCALE_CLIP,
-                      SCALE_PRIOR, SCALE_WINDOW, STEADY_RUNS)
+from ..config import (COST_CONTEXTS, LONG_BATCHES, MAX_GAMMA, MAX_VERIFY, NEAR_MARGIN,
+                      PLAUSIBLE_DIP, SCALE_CLIP, SCALE_PRIOR, SCALE_WINDOW, STEADY_RUNS)
 from ..engine.timing import run_steps
 from ..paths import home, write_text_atomic
 
@@ -306,17 +306,39 @@ def store(key: str, table) -> CostTable:
     return table
 
 
-def load_or_measure(key: str, measure) -> CostTable:
-    """The cached table for ``key`` (model files, machine, method), measured on first use."""
+def load_or_measure(key: str, measure, keep: Callable[[CostTable], bool] | None = None
+                    ) -> CostTable:
+    """The cached table for ``key`` (model files, machine, method), measured on first use;
+    cached only where ``keep`` (if given) says so, else returned for this run alone."""
     table = load_cached(key)
-    return table if table is not None else store(key, measure())
+    if table is not None:
+        return table
+    table = as_table(measure())
+    if keep is None or keep(table):
+        return store(key, table)
+    return replace(table, key=key, points=[replace(p, key=key) for p in table.points])
 
 
-MEASURE_VERSION = 11  # part of the cache key: a changed method measures again (7: long
+def implausible(table: CostModel | CostTable) -> str | None:
+    """Why ``table`` cannot be what this machine's batches cost (None: it can be): some
+    batch measured under PLAUSIBLE_DIP of a smaller batch (a plain token is a batch of 1)."""
+    for p in as_table(table).points:
+        sizes = list(range(1, len(p.target_batch_s) + 1)) + list(p.long_sizes)
+        ratios = [s / p.plain for s in list(p.target_batch_s) + list(p.long_batch_s)]
+        for j in range(1, len(ratios)):
+            i = int(np.argmax(ratios[:j]))
+            if ratios[j] < PLAUSIBLE_DIP * ratios[i]:
+                return (f"at {p.context} tokens of context a batch of {sizes[j]} measured "
+                        f"{ratios[j]:.2f} plain tokens, a batch of {sizes[i]} {ratios[i]:.2f}")
+    return None
+
+
+MEASURE_VERSION = 12  # part of the cache key: a changed method measures again (7: long
 # batches; 8: each sample against a plain token timed just before it; 9: the draft's flash
 # attention chosen first, the draft measured with it; 10: a draft token read as greedy rounds
 # read it, its token and confidence in C, not a copy of its logits; 11: so are the draft
-# variants screened, speculative/variants.py)
+# variants screened, speculative/variants.py; 12: a table disturbed while it measured
+# (``implausible``) is measured again, and not kept if it stays so)
 
 
 def long_sizes(tgt_seq) -> list[int]:
@@ -339,7 +361,8 @@ def measure_table(tgt_seq, dft_seq, tokens: list[int], contexts=COST_CONTEXTS,
 
 def measure_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
                         contexts=COST_CONTEXTS, repeats: int = 5,
-                        progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+                        progress: Callable[[str], Any] | None = None,
+                        clock=time.perf_counter) -> Iterator[str]:
     """:func:`measure_table` one timed sample at a time: yields after each (saying what
     it measured) with everything taken so far in ``state`` (JSON-ready). Given the state of
     a stopped measurement it takes only the samples still missing, so a measurement can run
@@ -358,7 +381,7 @@ def measure_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
     for i, c in enumerate(fits):
         yield from measure_steps(tgt_seq, dft_seq, tokens, points[i],
                                  repeats if i == 0 else max(1, repeats - 2), n_context=c,
-                                 progress=at(i, c))
+                                 clock=clock, progress=at(i, c))
 
 
 def table_from(state: dict) -> CostTable:
@@ -394,22 +417,26 @@ def median_table(tables: list[CostTable]) -> CostTable:
 def steady_table_steps(tgt_seq, dft_seq, tokens: list[int], state: dict,
                        verdict: Callable[[CostTable], float], near: float = NEAR_MARGIN,
                        runs: int = STEADY_RUNS, repeats: int = 5,
-                       progress: Callable[[str], Any] | None = None) -> Iterator[str]:
+                       progress: Callable[[str], Any] | None = None,
+                       clock=time.perf_counter) -> Iterator[str]:
     """:func:`measure_table_steps`, and where ``verdict`` of the table (1.0 its threshold)
-    lies within ``near`` of 1, ``runs`` - 1 more measurements of it (kept in
-    ``state["again"]``), so that :func:`table_from` takes the median of them all and two
-    measurements on one machine come to the same verdict."""
+    lies within ``near`` of 1, or the table is :func:`implausible`, ``runs`` - 1 more
+    measurements of it (kept in ``state["again"]``), so that :func:`table_from` takes the
+    median of them all: two measurements on one machine come to the same verdict, and one
+    disturbed measurement does not make the table."""
     yield from measure_table_steps(tgt_seq, dft_seq, tokens, state, repeats=repeats,
-                                   progress=progress)
-    if abs(verdict(_first_table(state)) - 1.0) >= near:
+                                   progress=progress, clock=clock)
+    first = _first_table(state)
+    disturbed = implausible(first) is not None
+    if not disturbed and abs(verdict(first) - 1.0) >= near:
         return
+    why = "the first was disturbed" if disturbed else "the verdict is near its threshold"
     again = state.setdefault("again", [{} for _ in range(runs - 1)])
     for i, s in enumerate(again):
-        say = (lambda what, i=i: progress(f"{what} (measurement {i + 2} of {runs}: the "
-                                          f"verdict is near its threshold)")) \
+        say = (lambda what, i=i: progress(f"{what} (measurement {i + 2} of {runs}: {why})")) \
             if progress is not None else None
         yield from measure_table_steps(tgt_seq, dft_seq, tokens, s, repeats=repeats,
-                                       progress=say)
+                                       progress=say, clock=clock)
 
 
 def measure(tgt_seq, dft_seq, tokens: list[int], repeats: int = 5,

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 from ..config import COST_PROMPT
 from ..errors import SpeceeError
 from ..paths import write_text_atomic
-from .cost import cache_path, steady_table_steps, store, table_from
+from .cost import cache_path, implausible, steady_table_steps, store, table_from
 
 
 def provisional_costs():
@@ -130,7 +130,14 @@ class IdleCosts:
         state: dict = {}
         with self._target_seq() as seq:
             yield from estimate_steps(seq, llm.dft.seq, llm.prompt_tokens(COST_PROMPT), state)
-        table = store(estimate_key(llm), model_from(state))
+        estimate = model_from(state)
+        busy = implausible(estimate)
+        if busy is not None:   # the full measurement, taken again where disturbed, decides
+            self.log(f"first estimate disturbed by other work ({busy}); the full measurement "
+                     f"follows")
+            yield "the first estimate"
+            return
+        table = store(estimate_key(llm), estimate)
         pair_state(llm).estimate = table
         c = table.points[0]
         self.log(f"first estimate: a draft token {c.draft_token_s / c.plain:.2f} of a target "
@@ -189,12 +196,18 @@ class IdleCosts:
             for what in steady_table_steps(seq, llm.dft.seq, prompt, state, drafting_margin):
                 write_text_atomic(path, json.dumps(state))
                 yield what
-        table = store(key, replace(table_from(state), machine=where, draft_flash_attn=fa,
-                                   draft_attention=seen))
+        table = replace(table_from(state), machine=where, draft_flash_attn=fa,
+                        draft_attention=seen)
+        table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
         path.unlink(missing_ok=True)
+        busy = implausible(table)
+        if busy is None:
+            table = store(key, table)
         pair_state(llm).costs = table
         self.log(f"this machine's draft/verify costs are measured ({time.perf_counter() - t0:.0f}"
-                 f" s in this run); the next reply drafts with them")
+                 f" s in this run); the next reply drafts with them"
+                 + ("" if busy is None else f"; other work disturbed the measurement ({busy}), "
+                    f"so it is not kept: the next run measures again"))
 
 
 class _Quiet:

@@ -182,7 +182,7 @@ def cost_model(llm, progress=None):
 
         from ..config import COST_PROMPT
         from ..engine.timing import run_steps
-        from .cost import load_or_measure, steady_table_steps, table_from
+        from .cost import implausible, load_or_measure, steady_table_steps, table_from
         from .variants import drafting_margin
 
         key, where = cost_key(llm, measure=True, progress=progress)
@@ -199,7 +199,8 @@ def cost_model(llm, progress=None):
             return replace(table_from(state), machine=where, draft_flash_attn=fa,
                            draft_attention=seen)
 
-        table = load_or_measure(key, measure)
+        # a table still disturbed after its repeats prices this run, and is measured again
+        table = load_or_measure(key, measure, keep=lambda t: implausible(t) is None)
         draft_attention(llm)   # the setting the draft runs with (the table's is a record)
         return table
 
