@@ -298,10 +298,15 @@ def load_cached(key: str) -> CostTable | None:
     return None
 
 
+def with_key(key: str, table) -> CostTable:
+    """``table`` (a CostModel or CostTable) as the table of ``key``, its points too."""
+    table = as_table(table)
+    return replace(table, key=key, points=[replace(p, key=key) for p in table.points])
+
+
 def store(key: str, table) -> CostTable:
     """Cache ``table`` (a CostModel or CostTable) under ``key``; returns it as a table."""
-    table = as_table(table)
-    table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
+    table = with_key(key, table)
     write_text_atomic(cache_path(key), json.dumps(asdict(table)))
     return table
 
@@ -313,10 +318,8 @@ def load_or_measure(key: str, measure, keep: Callable[[CostTable], bool] | None 
     table = load_cached(key)
     if table is not None:
         return table
-    table = as_table(measure())
-    if keep is None or keep(table):
-        return store(key, table)
-    return replace(table, key=key, points=[replace(p, key=key) for p in table.points])
+    table = with_key(key, measure())
+    return store(key, table) if keep is None or keep(table) else table
 
 
 def implausible(table: CostModel | CostTable) -> str | None:

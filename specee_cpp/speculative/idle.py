@@ -34,7 +34,8 @@ from typing import Callable, Iterator
 from ..config import COST_PROMPT
 from ..errors import SpeceeError
 from ..paths import write_text_atomic
-from .cost import cache_path, implausible, steady_table_steps, store, table_from
+from .cost import (cache_path, implausible, steady_table_steps, store, table_from,
+                   with_key)
 
 
 def provisional_costs():
@@ -196,9 +197,8 @@ class IdleCosts:
             for what in steady_table_steps(seq, llm.dft.seq, prompt, state, drafting_margin):
                 write_text_atomic(path, json.dumps(state))
                 yield what
-        table = replace(table_from(state), machine=where, draft_flash_attn=fa,
-                        draft_attention=seen)
-        table = replace(table, key=key, points=[replace(p, key=key) for p in table.points])
+        table = with_key(key, replace(table_from(state), machine=where, draft_flash_attn=fa,
+                                      draft_attention=seen))
         path.unlink(missing_ok=True)
         busy = implausible(table)
         if busy is None:
