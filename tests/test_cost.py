@@ -120,7 +120,6 @@ def test_costs_are_read_at_the_context_length():
     used, and a cost-aware policy re-reads them as the cache grows (seen failing with
     the context length ignored: the policy kept drafting where a long context made it a loss)."""
     from specee_cpp.speculative import policies
-    from specee_cpp.speculative.acceptance import AcceptanceModel  # noqa: F401
 
     short = CostModel([1.0 + 0.02 * i for i in range(16)], 0.1, context=128)
     long = CostModel([4.0 + 2.0 * i for i in range(16)], 3.0, context=1024)
