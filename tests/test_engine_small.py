@@ -120,3 +120,25 @@ def test_errors_name_the_value(small_llm, small_model, tiny_llama):
     with pytest.raises(TokenizerMismatchError, match="tokenizer"):
         check_same_tokenizer(small_model, tiny_llama)
     check_same_tokenizer(small_model, small_model)
+
+
+def test_a_pair_s_load_reads_each_header_once(small_model, tiny_llama, monkeypatch):
+    # the target's header is validated with the draft's for the tokenizer check and not again
+    # at its load (its 49k-token vocabulary, 150k for the default pair, takes time to check)
+    from specee_cpp.bindings import llama as bindings
+    from specee_cpp.engine import llm as engine
+    from specee_cpp.models.gguf_info import read_gguf_info
+
+    read = []
+
+    def counted(path):
+        read.append(str(path))
+        return read_gguf_info(path)
+
+    monkeypatch.setattr(engine, "read_gguf_info", counted)
+    monkeypatch.setattr(bindings, "read_gguf_info", counted)
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=64)) as pair:
+        assert pair.model.info == read_gguf_info(small_model)
+    assert read == [str(small_model)] * 2        # once as the target, once as the draft
+    with pytest.raises(TokenizerMismatchError):
+        LLM(small_model, draft=tiny_llama, config=LoadConfig(n_ctx=64))

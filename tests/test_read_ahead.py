@@ -1,6 +1,7 @@
 """The x86 kernels' weight read-ahead (patch 0013) is off until measured on the machine:
 the first load of a model times it on and off, keeps the faster (past a margin), caches it;
-a hand-set SPECEE_CPP_READ_AHEAD wins over both."""
+chat's load leaves the timing to idle time; a hand-set SPECEE_CPP_READ_AHEAD wins over
+all."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ import specee_cpp
 from specee_cpp.bindings import kernel_switch
 from specee_cpp.config import READ_AHEAD_BYTES
 from specee_cpp.engine import read_ahead
+from specee_cpp.engine.idle import IdleWork
+from specee_cpp.engine.llm import LLM
 
 pytestmark = pytest.mark.skipif(kernel_switch("READ_AHEAD") is None,
                                 reason="no read-ahead in this library (x86 CPU backend)")
@@ -63,3 +66,74 @@ def test_set_by_hand_it_is_not_measured(tiny_llama, tmp_path, monkeypatch):
     with specee_cpp.load(str(tiny_llama), n_ctx=128, n_threads=1) as llm:
         assert llm.read_ahead == (2048, "SPECEE_CPP_READ_AHEAD in the environment")
     assert not (tmp_path / "costs").exists() or not list((tmp_path / "costs").glob("read-*"))
+
+
+def test_a_load_that_does_not_measure_leaves_it_to_idle_slices(tiny_llama, tmp_path,
+                                                                monkeypatch):
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECEE_CPP_READ_AHEAD", raising=False)
+    cfg = specee_cpp.LoadConfig(n_ctx=128, n_threads=1)
+    with LLM(str(tiny_llama), config=cfg, measure_now=False) as llm:
+        assert llm.read_ahead == (0, read_ahead.NOT_YET) and kernel_switch("READ_AHEAD") == 0
+        lines: list[str] = []
+        job = read_ahead.IdleReadAhead(llm, lines.append)
+        assert job.pending() and not job.run(stop=lambda: True) and job.pending()
+        # between slices (a reply may decode there) the read-ahead is as before the timing,
+        # though half of the timed decodes run with it on
+        between = []
+
+        def after(n):
+            def stop():
+                between.append(kernel_switch("READ_AHEAD"))
+                return len(between) >= n
+            return stop
+
+        assert not job.run(stop=after(5)) and job.pending() and set(between) == {0}
+        job.close()                      # stopped half-way: its context is freed; begins again
+        assert kernel_switch("READ_AHEAD") == 0 and job.pending()
+        assert not list((tmp_path / "costs").glob("read-ahead-*.json"))
+        assert job.run(stop=after(10_000)) and not job.pending()
+        # from the start again, a decode a slice: the prompt, then 2 + 16 turns of on and off
+        assert set(between) == {0} and len(between) - 5 == 1 + 2 * (2 + 16) + 1
+        distance, source = llm.read_ahead
+        assert source.startswith("measured on this machine now") and "ms without" in source
+        assert kernel_switch("READ_AHEAD") == distance and distance in (0, READ_AHEAD_BYTES)
+        assert lines == [f"weight read-ahead {'on' if distance else 'off'} for tiny-llama.gguf, "
+                         f"{source}"]
+    assert len(list((tmp_path / "costs").glob("read-ahead-*.json"))) == 1
+    with LLM(str(tiny_llama), config=cfg, measure_now=False) as llm:   # cached: nothing left
+        assert llm.read_ahead[0] == distance and llm.read_ahead[1].startswith(
+            "measured on this machine (read-ahead-")
+        assert not read_ahead.IdleReadAhead(llm).pending()
+
+
+class _Job:
+    """An idle job of ``slices`` slices that records what ran."""
+
+    def __init__(self, name, slices, ran):
+        self.name, self.left, self.ran, self.closed = name, slices, ran, False
+
+    def pending(self):
+        return self.left > 0
+
+    def run(self, stop):
+        while self.left and not stop():
+            self.left -= 1
+            self.ran.append(self.name)
+        return not self.left
+
+    def close(self):
+        self.closed = True
+
+
+def test_idle_jobs_run_one_after_the_other():
+    ran: list[str] = []
+    jobs = [_Job("read-ahead", 3, ran), None, _Job("costs", 2, ran)]
+    work = IdleWork(jobs)
+    budget = iter(range(4))
+    assert not work.run(stop=lambda: next(budget, None) is None) and work.pending()
+    assert ran == ["read-ahead"] * 3 + ["costs"]
+    assert work.run(stop=lambda: False) and not work.pending()
+    assert ran == ["read-ahead"] * 3 + ["costs"] * 2
+    work.close()
+    assert all(j.closed for j in work.jobs) and len(work.jobs) == 2

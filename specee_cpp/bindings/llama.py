@@ -150,10 +150,11 @@ class Model:
     vocab = _Handle()
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True,
-                 use_mmap: bool = True):
+                 use_mmap: bool = True, info: GGUFInfo | None = None):
         self.path = Path(path)
         self.what = f"model {self.path.name}"
-        self.info: GGUFInfo = read_gguf_info(self.path)  # clear error before llama.cpp sees it
+        # a clear error before llama.cpp sees the file (``info``: read_gguf_info's, just taken)
+        self.info: GGUFInfo = info if info is not None else read_gguf_info(self.path)
         if not _ffi.llama_specee_arch_supported(self.info.arch.encode()):
             raise UnsupportedArchitectureError(
                 f"architecture {self.info.arch!r} of {self.path} is not supported by this "

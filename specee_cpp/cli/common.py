@@ -73,12 +73,12 @@ def _default_pair(model: str | None, draft: str | None) -> tuple[str, str | None
     return target.name, draft or reg.draft_ref("default")
 
 
-def _load(model: str, draft: str | None, config: LoadConfig):
-    """Load with a status line (a 1.5B model takes seconds)."""
+def _load(model: str, draft: str | None, config: LoadConfig, measure_now: bool = True):
+    """Load with a status line (a 1.5B model takes seconds); ``measure_now``: see LLM."""
     from ..engine.llm import LLM
 
     with err.status(f"loading {model}" + (f" + draft {draft}" if draft else "")):
-        return LLM(model, draft=draft, config=config)
+        return LLM(model, draft=draft, config=config, measure_now=measure_now)
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -117,64 +117,73 @@ def chat(
     model, draft = _default_pair(model, draft)
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
-    llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers))
+    # what this machine's timings still lack is taken while the user types (_idle)
+    llm = _load(model, draft, _load_config(n_ctx, threads, gpu_layers), measure_now=False)
     with llm:
         llm.defer_costs = True
         m.prepare(llm, opts, status=status_line)
-        idle = _idle(llm, m, opts)
-        err.print(f"[bold]{llm.model.path.name}[/bold]"
-                  + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
-                  + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply"
-                  + (", /predict FILE for an edit of FILE." if m.takes_prediction else "."))
-        messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        predicted: str | None = None   # /predict FILE: for the next reply only
-        if hasattr(sys.stdin, "reconfigure"):
-            # a line that is not UTF-8 reaches the model's check, which names the byte and
-            # keeps the session, instead of ending it in input()
-            sys.stdin.reconfigure(errors="surrogateescape")
-        answered = False   # the first question never waits on a slice of measurement
-        while True:
-            try:
-                with _while_idle(idle if answered else None):
-                    user = input("\n> ")
-            except EOFError:
-                break
-            except KeyboardInterrupt:
-                err.print("\n[dim](Ctrl-C at the prompt: type /exit or press Ctrl-D to quit)[/dim]")
-                continue
-            if user.strip() in _EXIT_WORDS:
-                break
-            if not user.strip():
-                continue
-            if user.strip().split()[0] == "/predict":
-                predicted = _predict_command(user, m)
-                continue
-            messages.append({"role": "user", "content": user})
-            reply = Transcript()
-            try:
-                pred, predicted = predicted, None
-                for step in llm.stream(messages, max_tokens=max_tokens, sampling=sampling,
-                                       mode=m, options=opts, prediction=pred):
-                    out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
-            except KeyboardInterrupt:
-                err.print("\n[dim](reply stopped)[/dim]", end="")
-            except SpeceeError as e:  # e.g. the conversation outgrew the context: keep the session
-                err.print(f"\n[red]error:[/red] {e}", markup=True)
-                messages.pop()
-                continue
-            out.print()
-            answered = True
-            messages.append({"role": "assistant", "content": reply.text})
-            if reply.stats is not None:
-                print_stats(reply.stats, verbose)
+        # stopped before the models are freed (a timing paused mid-way holds a context)
+        with closing(_idle(llm, m, opts)) as idle:
+            err.print(f"[bold]{llm.model.path.name}[/bold]"
+                      + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
+                      + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply"
+                      + (", /predict FILE for an edit of FILE." if m.takes_prediction else "."))
+            messages: list[dict] = [{"role": "system", "content": system}] if system else []
+            predicted: str | None = None   # /predict FILE: for the next reply only
+            if hasattr(sys.stdin, "reconfigure"):
+                # a line that is not UTF-8 reaches the model's check, which names the byte and
+                # keeps the session, instead of ending it in input()
+                sys.stdin.reconfigure(errors="surrogateescape")
+            answered = False   # the first question never waits on a slice of measurement
+            while True:
+                try:
+                    with _while_idle(idle if answered else None):
+                        user = input("\n> ")
+                except EOFError:
+                    break
+                except KeyboardInterrupt:
+                    err.print("\n[dim](Ctrl-C at the prompt: type /exit or press Ctrl-D to "
+                              "quit)[/dim]")
+                    continue
+                if user.strip() in _EXIT_WORDS:
+                    break
+                if not user.strip():
+                    continue
+                if user.strip().split()[0] == "/predict":
+                    predicted = _predict_command(user, m)
+                    continue
+                messages.append({"role": "user", "content": user})
+                reply = Transcript()
+                try:
+                    pred, predicted = predicted, None
+                    for step in llm.stream(messages, max_tokens=max_tokens, sampling=sampling,
+                                           mode=m, options=opts, prediction=pred):
+                        out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
+                except KeyboardInterrupt:
+                    err.print("\n[dim](reply stopped)[/dim]", end="")
+                except SpeceeError as e:  # the conversation outgrew the context: keep the session
+                    err.print(f"\n[red]error:[/red] {e}", markup=True)
+                    messages.pop()
+                    continue
+                out.print()
+                answered = True
+                messages.append({"role": "assistant", "content": reply.text})
+                if reply.stats is not None:
+                    print_stats(reply.stats, verbose)
 
 
 def _idle(llm, m, opts):
-    """The cost measurement chat runs while it waits for input (speculative/idle.py), or
-    None; its lines go to stderr, dim in a terminal."""
+    """The measurements chat runs while it waits for input (engine/idle.py): the weights'
+    read-ahead, then the costs of a speculative run; their lines go to stderr, dim in a
+    terminal."""
+    from ..engine.idle import IdleWork
+    from ..engine.read_ahead import IdleReadAhead
     from ..speculative.mode import idle_work
 
-    return idle_work(llm, m, opts, log=lambda line: err.print(f"[dim]({escape(line)})[/dim]"))
+    def log(line: str) -> None:
+        err.print(f"[dim]({escape(line)})[/dim]")
+
+    return IdleWork([IdleReadAhead(llm, log), idle_work(llm, m, opts, log=log)])
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from ..bindings import Context, Model
 from ..config import LoadConfig, SamplingConfig
 from ..errors import ContextOverflowError, SpeceeError, TokenizerMismatchError
 from ..memory import private_weights
-from ..models.gguf_info import read_gguf_info
+from ..models.gguf_info import GGUFInfo, read_gguf_info
 from ..models.registry import looks_like_path, resolve_model
 from ..text import checked
 from . import modes
@@ -69,14 +69,16 @@ def variant_base(ref: str | Path) -> Path:
     return resolve_model(v[0] if v else ref)
 
 
-def check_same_tokenizer(target: Path, draft: Path) -> None:
-    """Raise unless draft and target share a vocabulary (read from the GGUF headers)."""
+def check_same_tokenizer(target: Path, draft: Path) -> GGUFInfo:
+    """Raise unless draft and target share a vocabulary (read from the GGUF headers); the
+    target's header facts."""
     t, d = read_gguf_info(target), read_gguf_info(draft)
     if t.tokenizer_fingerprint != d.tokenizer_fingerprint:
         raise TokenizerMismatchError(
             f"draft {draft.name} ({d.n_vocab} tokens, tokenizer {d.tokenizer_fingerprint}) does "
             f"not share the tokenizer of target {target.name} ({t.n_vocab} tokens, "
             f"{t.tokenizer_fingerprint})")
+    return t
 
 
 def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
@@ -92,9 +94,9 @@ class _Loaded:
     """A model with its context and cached sequence."""
 
     def __init__(self, path: Path, cfg: LoadConfig, flash_attn: bool | None = None,
-                 n_seq: int = 1):
+                 n_seq: int = 1, info: GGUFInfo | None = None):
         mmap = cfg.mmap if cfg.mmap is not None else not private_weights(path, cfg.n_gpu_layers)
-        self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers, use_mmap=mmap)
+        self.model = Model(path, n_gpu_layers=cfg.n_gpu_layers, use_mmap=mmap, info=info)
         self.cfg, self.n_seq = cfg, n_seq
         self._open(flash_attn, n_seq)
 
@@ -136,7 +138,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, draft: str | Path | None = None,
-                 config: LoadConfig = LoadConfig()):
+                 config: LoadConfig = LoadConfig(), measure_now: bool = True):
         self.config = config
         target_path = resolve(model)
         # NAME:auto: the shipped draft until a speculative mode picks this machine's best
@@ -146,9 +148,10 @@ class LLM:
         if v and v[1][-1].lower() == "auto":
             draft = self.draft_auto = str(draft)[:-len(":auto")]
         draft_path = resolve(draft) if draft is not None else None
-        if draft_path is not None:
-            check_same_tokenizer(target_path, draft_path)
-        self.tgt = _Loaded(target_path, config, n_seq=config.n_seq)
+        # the target's header, validated with the draft's: not read twice (a 150k-token
+        # vocabulary takes a fifth of a second to check)
+        info = check_same_tokenizer(target_path, draft_path) if draft_path is not None else None
+        self.tgt = _Loaded(target_path, config, n_seq=config.n_seq, info=info)
         self.draft_path = draft_path
         self.draft_base_path = variant_base(draft) if draft is not None else None
         self._dft: _Loaded | None = None
@@ -161,9 +164,10 @@ class LLM:
         # the measurement left to idle time (speculative/idle.py); the CLI's chat, generate
         # and serve set it, a script and the benchmark measure first
         self.defer_costs = False
-        # the x86 kernels' weight read-ahead, as measured for this model on this machine, and
-        # the kernels that read its prompts where measured (else upstream's)
-        self.read_ahead = read_ahead(self)
+        # the x86 kernels' weight read-ahead, as measured for this model on this machine (where
+        # it is not yet: timed now, or with ``measure_now`` False off until chat times it in
+        # idle time), and the kernels that read its prompts where measured (else upstream's)
+        self.read_ahead = read_ahead(self, measure=measure_now)
         self.prompt_kernels = prompt_kernels(self)
 
     @property

@@ -7,16 +7,25 @@ made a plain token 8-19% cheaper on the Zen 3 and Zen 5 machines it was tuned on
 9% dearer on a Zen 4 (docs/kernels.md). So the library starts with it off, upstream's
 behaviour, and the first load of a model on a machine times one-token decodes with it on
 and off, in turn (a second or two), keeps the faster, and caches the choice beside the cost
-tables. ``SPECEE_CPP_READ_AHEAD`` set by hand wins over both.
+tables. Chat loads without waiting for that timing (``measure=False``): it runs with the
+read-ahead off and takes the timing in slices of idle time (:class:`IdleReadAhead`), so a
+new machine's first reply is as quick as any other's. ``SPECEE_CPP_READ_AHEAD`` set by hand
+wins over both.
 """
 from __future__ import annotations
 
 import time
 
 from ..config import READ_AHEAD_BYTES, READ_AHEAD_MARGIN
-from .timing import cached_timing, measured_here, time_in_turn
+from typing import Callable
+
+from .timing import (Steps, measured_here, run_steps, store_timing, time_in_turn_steps,
+                     timing_cached, timing_tokens)
 
 VERSION = 1   # part of the cache key: a changed method measures again
+PREFIX = "read-ahead"
+# why the read-ahead is off in a process that loaded its model without timing it
+NOT_YET = "not measured on this machine yet: off until it is, in idle time"
 
 
 def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
@@ -24,6 +33,14 @@ def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
     """Median seconds of one decoded token of ``model`` with the read-ahead at ``distance``
     bytes and off, after ``tokens`` in the cache, alternating token by token (a machine
     slowing down slows both), each first in turn: {"on": s, "off": s, "distance": bytes}."""
+    return run_steps(time_read_ahead_steps(model, n_threads, tokens, distance, decodes, warmup,
+                                           clock))
+
+
+def time_read_ahead_steps(model, n_threads: int, tokens: list[int], distance: int,
+                          decodes: int = 16, warmup: int = 2, clock=time.perf_counter) -> Steps:
+    """:func:`time_read_ahead` a decode at a time. Between two steps the read-ahead is as it
+    was before: whatever decodes meanwhile (a reply) runs as it would have."""
     from ..bindings import Batch, Context, kernel_switch, set_kernel_switch
 
     before = kernel_switch("READ_AHEAD")
@@ -33,10 +50,19 @@ def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
     try:
         batch.set(tokens, 0)
         ctx.decode(batch)
+        yield "the timing's prompt"
         # one context, the setting switched before each decode; each goes first half the time
-        seen = time_in_turn({"on": (ctx, lambda: set_kernel_switch("READ_AHEAD", distance)),
-                             "off": (ctx, lambda: set_kernel_switch("READ_AHEAD", 0))},
-                            batch, tokens, n, decodes, warmup, swap=True, clock=clock)
+        steps = time_in_turn_steps({"on": (ctx, lambda: set_kernel_switch("READ_AHEAD", distance)),
+                                    "off": (ctx, lambda: set_kernel_switch("READ_AHEAD", 0))},
+                                   batch, tokens, n, decodes, warmup, swap=True, clock=clock)
+        while True:
+            try:
+                what = next(steps)
+            except StopIteration as done:
+                seen = done.value
+                break
+            set_kernel_switch("READ_AHEAD", before)
+            yield what
     finally:
         set_kernel_switch("READ_AHEAD", before)
         ctx.close()
@@ -54,7 +80,7 @@ def measured() -> list[tuple[str, bool, float, float]]:
     """What was measured on this machine, at any thread count: (model, with its thread
     count where not the default; on?; seconds a token on; off) each."""
     out = []
-    for name, seen in measured_here("read-ahead", VERSION):
+    for name, seen in measured_here(PREFIX, VERSION):
         try:
             out.append((name, choose(seen) > 0, seen["on"], seen["off"]))
         except (KeyError, TypeError):
@@ -62,11 +88,16 @@ def measured() -> list[tuple[str, bool, float, float]]:
     return out
 
 
-def read_ahead(llm) -> tuple[int | None, str]:
+def _fits(seen: dict) -> bool:
+    return {"on", "off", "distance"} <= set(seen)
+
+
+def read_ahead(llm, measure: bool = True) -> tuple[int | None, str]:
     """Set the read-ahead for this process from this machine's measurement for ``llm``'s
-    target (made now if there is none, then cached): (distance in bytes, where it came
-    from). (None, why) where the library has no read-ahead, (the value, why) where the
-    environment sets it (then machine() records it, and nothing is measured)."""
+    target (made now if there is none, then cached; with ``measure`` False left for
+    :class:`IdleReadAhead`, off until then): (distance in bytes, where it came from). (None,
+    why) where the library has no read-ahead, (the value, why) where the environment sets it
+    (then machine() records it, and nothing is measured)."""
     from ..bindings import kernel_switch, set_kernel_switch
     from ..provenance import SWITCH_ENV, switch_set
 
@@ -76,10 +107,70 @@ def read_ahead(llm) -> tuple[int | None, str]:
         return None, "not in this library (patches 0013 and 0014, x86 CPU backend)"
     if llm.config.n_gpu_layers:
         return 0, "off: the weights are on the GPU"
-    seen, source = cached_timing(
-        llm, "read-ahead", VERSION, lambda seen: {"on", "off", "distance"} <= set(seen),
-        lambda tokens: time_read_ahead(llm.model, llm.config.threads, tokens, READ_AHEAD_BYTES))
+    hit = timing_cached(llm, PREFIX, VERSION, _fits)
+    if hit is not None:
+        return _apply(*hit)
+    if not measure:
+        set_kernel_switch("READ_AHEAD", 0)
+        return 0, NOT_YET
+    return run_steps(read_ahead_steps(llm))
+
+
+def read_ahead_steps(llm) -> Steps:
+    """The read-ahead's timing for ``llm``'s target taken a decode at a time, then cached
+    and applied: returns what :func:`read_ahead` returns."""
+    seen = yield from time_read_ahead_steps(llm.model, llm.config.threads, timing_tokens(llm),
+                                            READ_AHEAD_BYTES)
+    store_timing(llm, PREFIX, VERSION, seen)
+    return _apply(seen, "measured on this machine now")
+
+
+def _apply(seen: dict, source: str) -> tuple[int, str]:
+    from ..bindings import set_kernel_switch
+
     distance = choose(seen)
     set_kernel_switch("READ_AHEAD", distance)
     return distance, (f"{source}: a token {1e3 * seen['on']:.2f} ms with it, "
                       f"{1e3 * seen['off']:.2f} ms without")
+
+
+class IdleReadAhead:
+    """The read-ahead's timing of a model loaded without it (``read_ahead(measure=False)``),
+    taken in slices of idle time, one decode each (milliseconds), about 40 in all."""
+
+    def __init__(self, llm, log: Callable[[str], None] | None = None):
+        self.llm = llm
+        self.log = log or (lambda line: None)
+        self._steps: Steps | None = None
+        self.error: str | None = None
+
+    def pending(self) -> bool:
+        return self.error is None and self.llm.read_ahead[1] == NOT_YET
+
+    def run(self, stop: Callable[[], bool]) -> bool:
+        """Take slices until ``stop()`` or the timing is done (True: then it is cached and
+        in use). A failure is said once and leaves the read-ahead off."""
+        if not self.pending():
+            return True
+        if self._steps is None:
+            self._steps = read_ahead_steps(self.llm)
+        try:
+            while not stop():
+                next(self._steps)
+        except StopIteration as done:
+            self.llm.read_ahead = done.value
+            self._steps = None
+            self.log(f"weight read-ahead {'on' if done.value[0] else 'off'} for "
+                     f"{self.llm.model.path.name}, {done.value[1]}")
+            return True
+        except Exception as e:   # noqa: BLE001 - a measurement must not end the session
+            self.error = f"{type(e).__name__}: {e}"
+            self._steps = None
+            self.log(f"timing the weight read-ahead failed ({self.error}); it stays off")
+        return False
+
+    def close(self) -> None:
+        """Stop a timing in progress (its context is freed before the model is)."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None

@@ -86,13 +86,10 @@ def cache_file(prefix: str, version: int, model_path, where: dict):
                                f"-m{machine_id(where)}-v{version}.json")
 
 
-def cached_timing(llm, prefix: str, version: int, fits: Callable[[dict], bool],
-                  measure: Callable[[list[int]], dict]) -> tuple[dict, str]:
-    """This machine's timing ``prefix`` of ``llm``'s target: the cached one where it
-    ``fits``, else ``measure`` run now after 64 tokens of the cost prompt, and cached; and
-    where it came from."""
-    from ..config import COST_PROMPT
-    from ..paths import write_text_atomic
+def timing_cached(llm, prefix: str, version: int,
+                  fits: Callable[[dict], bool]) -> tuple[dict, str] | None:
+    """This machine's cached timing ``prefix`` of ``llm``'s target where there is one and it
+    ``fits``, with where it came from; else None (none yet, torn or another layout)."""
     from ..provenance import machine
 
     cache = cache_file(prefix, version, llm.model.path, machine(llm.config.threads))
@@ -101,10 +98,36 @@ def cached_timing(llm, prefix: str, version: int, fits: Callable[[dict], bool],
         if fits(seen):
             return seen, f"measured on this machine ({cache.name})"
     except (OSError, ValueError, TypeError):
-        pass   # none yet, torn or another layout: measure
+        pass
+    return None
+
+
+def timing_tokens(llm) -> list[int]:
+    """The 64 tokens of the cost prompt a timing decodes after."""
+    from ..config import COST_PROMPT
+
     raw = llm.prompt_tokens(COST_PROMPT, chat=False)
-    seen = measure((raw * (64 // len(raw) + 1))[:64])
-    write_text_atomic(cache, json.dumps(seen))
+    return (raw * (64 // len(raw) + 1))[:64]
+
+
+def store_timing(llm, prefix: str, version: int, seen: dict) -> None:
+    from ..paths import write_text_atomic
+    from ..provenance import machine
+
+    write_text_atomic(cache_file(prefix, version, llm.model.path,
+                                 machine(llm.config.threads)), json.dumps(seen))
+
+
+def cached_timing(llm, prefix: str, version: int, fits: Callable[[dict], bool],
+                  measure: Callable[[list[int]], dict]) -> tuple[dict, str]:
+    """This machine's timing ``prefix`` of ``llm``'s target: the cached one where it
+    ``fits``, else ``measure`` run now after 64 tokens of the cost prompt, and cached; and
+    where it came from."""
+    hit = timing_cached(llm, prefix, version, fits)
+    if hit is not None:
+        return hit
+    seen = measure(timing_tokens(llm))
+    store_timing(llm, prefix, version, seen)
     return seen, "measured on this machine now"
 
 

@@ -100,6 +100,13 @@ class IdleCosts:
                      f"at the provisional prices (specee-cpp costs measures in the foreground)")
         return self.done
 
+    def close(self) -> None:
+        """Stop a measurement in progress (its context is freed before the models are; the
+        samples taken so far are on disk)."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
     def _work(self) -> Iterator[str]:
         from .mode import estimated_costs, measured_costs, pair_state
         from .variants import choose, remember_choice
