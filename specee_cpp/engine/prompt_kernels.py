@@ -19,7 +19,8 @@ import time
 
 from ..config import COST_PROMPT, PROMPT_KERNEL_MARGIN, PROMPT_KERNEL_ROWS
 from ..paths import write_text_atomic
-from .timing import Steps, cache_file, measured_here, run_steps, time_in_turn_steps
+from .timing import (Steps, cache_file, measured_here, restoring, run_steps,
+                     time_in_turn_steps)
 
 VERSION = 1          # part of the cache key: a changed method measures again
 EVERY_BATCH = 1 << 30   # a row limit no batch reaches
@@ -70,14 +71,7 @@ def time_prompt_kernels_steps(model, n_threads: int, tokens: list[int], name: st
                                 "upstream": (ctx, lambda: set_kernel_switch(name, before))},
                                batch, tokens, 0, turns, warmup, swap=True, rows=n, clock=clock)
     try:
-        while True:
-            try:
-                what = next(steps)
-            except StopIteration as done:
-                seen = done.value
-                break
-            set_kernel_switch(name, before)
-            yield f"prompt kernels: {name}, {what}"
+        seen = yield from restoring(steps, name, before, f"prompt kernels: {name}, ")
     finally:
         set_kernel_switch(name, before)
         ctx.close()

@@ -19,8 +19,8 @@ import time
 from ..config import READ_AHEAD_BYTES, READ_AHEAD_MARGIN
 from typing import Callable
 
-from .timing import (Steps, measured_here, run_steps, store_timing, time_in_turn_steps,
-                     timing_cached, timing_tokens)
+from .timing import (Steps, measured_here, restoring, run_steps, store_timing,
+                     time_in_turn_steps, timing_cached, timing_tokens)
 
 VERSION = 1   # part of the cache key: a changed method measures again
 PREFIX = "read-ahead"
@@ -55,14 +55,7 @@ def time_read_ahead_steps(model, n_threads: int, tokens: list[int], distance: in
         steps = time_in_turn_steps({"on": (ctx, lambda: set_kernel_switch("READ_AHEAD", distance)),
                                     "off": (ctx, lambda: set_kernel_switch("READ_AHEAD", 0))},
                                    batch, tokens, n, decodes, warmup, swap=True, clock=clock)
-        while True:
-            try:
-                what = next(steps)
-            except StopIteration as done:
-                seen = done.value
-                break
-            set_kernel_switch("READ_AHEAD", before)
-            yield what
+        seen = yield from restoring(steps, "READ_AHEAD", before)
     finally:
         set_kernel_switch("READ_AHEAD", before)
         ctx.close()

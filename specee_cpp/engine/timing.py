@@ -75,6 +75,21 @@ def time_in_turn_steps(runs: dict, batch, tokens: list[int], pos: int, decodes: 
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def restoring(steps: Steps, switch: str, value: int, label: str = "") -> Steps:
+    """``steps`` (each of which may set the kernel switch ``switch``) with the switch put back
+    to ``value`` after each, so that whatever decodes between two steps runs as it would have;
+    each step's name prefixed with ``label``. Returns their result."""
+    from ..bindings import set_kernel_switch
+
+    while True:
+        try:
+            what = next(steps)
+        except StopIteration as done:
+            return done.value
+        set_kernel_switch(switch, value)
+        yield label + what
+
+
 def cache_file(prefix: str, version: int, model_path, where: dict):
     """Where a timing ``prefix`` of a model on a machine (``provenance.machine``) is cached,
     beside the cost tables: the model by name and size (no hash of a GB file at every
