@@ -84,8 +84,9 @@ def test_generate_and_chat_with_a_prediction(small_model, tmp_path):
                           "--json").stdout)
     pred = tmp_path / "pred.txt"
     pred.write_text(want["text"], encoding="utf-8")
-    assert_one_line_error(run("generate", small_model, "-p", "hi", "--prediction", pred,
-                              "--mode", "ee"), "--prediction: mode ee")
+    assert_one_line_error(run("generate", small_model, "--draft", small_model, "-p", "hi",
+                              "--prediction", pred, "--mode", "spec-ee"),
+                          "--prediction: mode spec-ee")
     r = run("generate", small_model, "-p", "Say hello.", "-n", "16", "--json",
             "--prediction", pred)
     assert r.returncode == 0, r.stderr

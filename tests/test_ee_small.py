@@ -114,6 +114,38 @@ def test_every_exit_is_checked_so_the_output_is_plain_decoding(bundle, small_llm
         assert after == [fresh.generate(p, max_tokens=16).tokens for p in (PROMPTS[0], PROMPTS[2])]
 
 
+def test_a_prediction_drafts_between_checked_exits(bundle, small_llm, monkeypatch):
+    """ee takes a caller's prediction: where the output follows it, its drafts are verified
+    at full depth in one batch; elsewhere the steps probe and exit as before, each exit
+    checked. The output is plain's either way, whether ee probes or (no layer paying here)
+    decodes plainly; the usage counts are OpenAI's."""
+    from specee_cpp.early_exit import mode as ee_mode
+
+    out, _ = bundle
+    probing = EEOptions(provider="ngram", predictors=str(out), threshold=0.05, always=True)
+    exits = 0
+    for prompt in PROMPTS[:3]:
+        plain = small_llm.generate(prompt, max_tokens=48)
+        t = plain.tokens
+        edited = t[:10] + [t[10] + 1] + t[11:24]   # a token changed, the second half missing
+        for pred, opts in ((t, probing), (edited, probing),
+                           (edited, EEOptions(predictors=str(out), threshold=0.05))):
+            monkeypatch.setattr(ee_mode, "exit_costs", lambda llm, pred: _costs(probe=0.2))
+            res = small_llm.generate(prompt, max_tokens=48, mode="ee", options=opts,
+                                     prediction=pred)
+            assert res.tokens == t, (prompt, opts)
+            drafted, accepted = res.stats.by_source.get("prediction", (0, 0))
+            if pred is t:
+                assert accepted >= 36 and drafted == accepted and res.stats.prediction == (48, 0)
+                assert not res.stats.exit_layers   # nothing left between the drafts to exit
+            else:
+                assert accepted >= 12 and sum(res.stats.prediction) == len(edited)
+            if opts is probing and pred is not t:
+                exits += sum(res.stats.exit_layers.values())
+                assert "drafts from the prediction" in res.stats.note
+    assert exits > 0   # past the prediction's end the steps probe and exit again
+
+
 def test_bundle_for_another_model_is_refused(bundle, tiny_llama):
     out, _ = bundle
     with LLM(tiny_llama, config=LoadConfig(n_ctx=128, n_threads=1)) as llm:

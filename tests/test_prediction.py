@@ -224,8 +224,9 @@ def test_a_prediction_as_text_and_stream_counts(pair, plain):
 
 @pytest.mark.model
 def test_bad_predictions_are_refused_naming_the_field(pair):
-    with pytest.raises(SpeceeError, match="prediction: mode ee does not take one"):
-        pair.generate(PROMPT, max_tokens=4, prediction="x", mode="ee")
+    with pytest.raises(SpeceeError, match="prediction: mode spec-ee does not take one .*: "
+                                          "plain, spec, ee"):
+        pair.generate(PROMPT, max_tokens=4, prediction="x", mode="spec-ee")
     with pytest.raises(ContextOverflowError, match="prediction of .* tokens is longer than"):
         pair.generate(PROMPT, max_tokens=4, prediction=[1] * 2000)
     with pytest.raises(SpeceeError, match="prediction: token id"):

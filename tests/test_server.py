@@ -290,9 +290,9 @@ def test_queue_bound_answers_429_with_retry_after(client, server):
     ({"messages": [{"role": "user", "content": "hi"}],
       "prediction": {"type": "content", "content": "word " * (2 * N_CTX)}}, None, 400,
      "prediction of"),
-    ({"messages": [{"role": "user", "content": "hi"}], "specee": {"mode": "ee"},
+    ({"messages": [{"role": "user", "content": "hi"}], "specee": {"mode": "spec-ee"},
       "prediction": {"type": "content", "content": "x"}}, None, 400,
-     "prediction: mode ee does not take one"),
+     "prediction: mode spec-ee does not take one"),
 ])
 def test_bad_requests_are_4xx_naming_the_field(server, body, raw, status, words):
     got, _, answer = http(server, "/v1/chat/completions", body, raw=raw)

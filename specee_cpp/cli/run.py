@@ -54,9 +54,8 @@ def generate(
     predicted = _read_text(prediction, "--prediction") if prediction is not None else None
     sampling = _sampling(temperature, top_k, top_p, seed)
     m, opts = flags.resolve(draft)
-    if predicted is not None and not m.takes_prediction:
-        raise SpeceeError(f"--prediction: mode {m.name} does not take one (it drafts no "
-                          f"tokens to verify); plain and spec do")
+    if predicted is not None and (why := m.refuses_prediction()):
+        raise SpeceeError(f"--prediction: {why}")
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         llm.defer_costs = True   # one answer: no idle time to measure in; chat and serve have
         m.prepare(llm, opts, status=status_line)
@@ -213,9 +212,8 @@ def _predict_command(line: str, m) -> str | None:
         err.print("[dim]/predict FILE: the next reply drafts from FILE (the text your request "
                   "edits)[/dim]")
         return None
-    if not m.takes_prediction:
-        err.print(f"[red]error:[/red] /predict: mode {m.name} does not take a prediction; "
-                  f"plain and spec do")
+    if why := m.refuses_prediction():
+        err.print(f"[red]error:[/red] /predict: {escape(why)}")
         return None
     try:
         text = _read_text(Path(path).expanduser(), "/predict")

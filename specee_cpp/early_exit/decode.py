@@ -16,6 +16,10 @@ small-batch kernels). The first row's output is full depth's choice there: the s
 confirms the exit and the second row gives the next one; another token replaces it and the
 chosen one is dropped. Output is plain greedy decoding's, token for token; an exit's
 quality target only sets how often that check undoes one. Greedy only.
+
+Given the caller's predicted output (OpenAI's ``prediction``), a step where the output
+follows it verifies the prediction's draft at full depth in one batch instead, as the
+speculative loop does; the steps between its drafts probe and exit as above.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from typing import Iterator
 
 import numpy as np
 
+from ..engine.drafts import accept_greedy, draft_room
+from ..engine.predicted import PredictionDrafter
 from ..engine.sequence import Sequence
 from ..engine.steps import Step
 from .candidates import CandidateProvider
@@ -35,25 +41,49 @@ from .scheduler import Scheduler
 
 def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
                 predictors: Predictors, scheduler: Scheduler, thresholds: dict[int, float],
-                rule: str = "argmax", plan: LearnedPlan | None = None) -> Iterator[Step]:
+                rule: str = "argmax", plan: LearnedPlan | None = None,
+                drafts: PredictionDrafter | None = None,
+                max_new: int | None = None) -> Iterator[Step]:
     """``thresholds``: the firing threshold of each layer that may be probed (early_exit/mode.py's
     exit_plan: from the quality target, or one for all). ``plan``: the layers worth probing
     on this machine's costs, learned as the answer goes (early_exit/costs.py), probed in
     place of the scheduler's; while it holds none, tokens are decoded plainly, without
     candidates (None: the layers the scheduler lists). An exited token's step says how its
-    check went (``n_drafted`` 1, ``n_accept`` 1 if confirmed, ``source`` "exit")."""
+    check went (``n_drafted`` 1, ``n_accept`` 1 if confirmed, ``source`` "exit").
+    ``drafts``: the caller's prediction (engine/predicted.py); where it plans a draft, the
+    step verifies it at full depth in one batch instead, as the speculative loop does, within
+    ``max_new`` tokens in all."""
     clock = time.perf_counter
     t0 = clock()
     logits = seq.prefill(prompt)
     provider.reset(prompt)
-    token, exit_layer, checked = int(np.argmax(logits)), None, None
-    timings = {"prefill": clock() - t0}
+    token = int(np.argmax(logits))
+    if drafts is not None:
+        drafts.extend(prompt + [token])
+        drafts.output_began(token)
+    step, n_out = Step(token=token, timings={"prefill": clock() - t0}), 0
     while True:
-        yield Step(token=token, exit_layer=exit_layer, timings=timings,
-                   n_drafted=int(checked is not None), n_accept=int(bool(checked)),
-                   source="exit" if checked is not None else None)
+        yield step
+        token, n_out = step.token, n_out + 1
         provider.accept(token)
         t0 = clock()
+        free = drafts.plan(len(seq.tokens) + 1, draft_room(max_new, n_out)) \
+            if drafts is not None else []
+        if free:   # the prediction's draft, verified as the speculative loop verifies one
+            source, base = drafts.source, len(seq.tokens)
+            seq.decode([token] + free, all_outputs=True)
+            n_acc, nxt = accept_greedy(free, seq.argmax)
+            seq.rewind(base + 1 + n_acc)
+            seconds = clock() - t0
+            drafts.update(len(free), n_acc, seconds)
+            drafts.extend(free[:n_acc] + [nxt], emitted=True)
+            for tok in free[:n_acc]:
+                yield Step(token=tok, drafted=True)
+                provider.accept(tok)
+            n_out += n_acc
+            step = Step(token=nxt, n_drafted=len(free), n_accept=n_acc, source=source,
+                        timings={"verify": seconds})
+            continue
         # the plan's layers where it holds (chosen by what they cost and save here), else
         # SpecEE's schedule; candidates only for a token that will be probed (the draft
         # provider catches up on the tokens in between in one batch when next asked)
@@ -62,8 +92,10 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
         t_draft = clock() - t0
         if not len(cand):   # nothing to probe: a plain decode
             seq.decode([token])
-            token, exit_layer, checked = seq.argmax(), None, None
-            timings = {"decode": clock() - t0}
+            step = Step(token=seq.argmax(), timings={"decode": clock() - t0})
+            if drafts is not None:
+                drafts.plain_step(clock() - t0)
+                drafts.extend([step.token], emitted=True)
             continue
         nxt, exit_layer, probed, timings = _probed(seq, token, cand, layers, predictors,
                                                    thresholds, rule)
@@ -84,12 +116,20 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
         if plan is not None:
             plan.record(probed, exit_layer)
         if checked:
+            if drafts is not None:
+                drafts.extend([nxt], emitted=True)
             yield Step(token=nxt, exit_layer=exit_layer, timings=timings, n_drafted=1,
                        n_accept=1, source="exit")
             provider.accept(nxt)
+            n_out += 1
             # the check's second row is full depth's next token: no decode left for it
-            nxt, exit_layer, checked, timings = seq.argmax(1), None, None, {}
-        token = nxt
+            step = Step(token=seq.argmax(1), timings={})
+        else:
+            step = Step(token=nxt, exit_layer=exit_layer, timings=timings,
+                        n_drafted=int(checked is not None), n_accept=0,
+                        source="exit" if checked is not None else None)
+        if drafts is not None:
+            drafts.extend([step.token], emitted=True)
 
 
 def _probed(seq: Sequence, token: int, cand: np.ndarray, layers: list[int],

@@ -216,12 +216,14 @@ class EarlyExit(Mode):
     name = "ee"
     Options = EEOptions
     greedy_only = True
+    takes_prediction = True   # its drafts verified at full depth between the exit steps
     help = "SpecEE early exit, every exit checked at full depth (greedy; output = plain)"
 
     def start(self, llm, sampling, opts):
         from .decode import generate_ee
 
         from ..engine.plain import PLAIN
+        from ..engine.predicted import prediction_drafter
         from ..engine.steps import with_note
 
         chosen, learned, why = priced(llm, opts)
@@ -232,23 +234,28 @@ class EarlyExit(Mode):
             start = PLAIN.start(llm, sampling, PLAIN.Options())
             note = (f"plain decoding: {why}; no layer's exits pay for their probes "
                     f"(--probe-always probes anyway)")
-            return lambda tokens, max_new: with_note(start(tokens, max_new), note)
+            return lambda tokens, max_new, prediction=None: with_note(
+                start(tokens, max_new, prediction=prediction), note)
         if opts.provider is None:
             opts = chosen if learned is not None else replace(
                 opts, provider="draft" if llm.draft_path is not None else "ngram")
         provider = candidates(llm, opts.provider, opts.k)
         pred = predictors(llm, opts)
 
-        def run(tokens, max_new):
+        def run(tokens, max_new, prediction=None):
             thresholds, sched, note = plan(llm, pred, opts)
             lp = None
             if not opts.always:   # a plan of its own each answer: rates learned per answer
                 lp = LearnedPlan(learned.costs, learned.prior_rates, opts.rule,
                                  learned.candidates_s)
                 note += f"; {opts.provider} candidates, {why}"
-            # one token a step: nothing to keep within max_tokens
+            drafts = None
+            if prediction:
+                drafts = prediction_drafter(llm, prediction, sampling)
+                note += "; drafts from the prediction verified at full depth"
             return with_note(generate_ee(llm.tgt.seq, tokens, provider, pred, sched,
-                                         thresholds, rule=opts.rule, plan=lp), note)
+                                         thresholds, rule=opts.rule, plan=lp, drafts=drafts,
+                                         max_new=max_new), note)
 
         return run
 

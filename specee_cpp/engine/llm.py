@@ -361,9 +361,8 @@ class LLM:
             raise SpeceeError(f"max_tokens must be positive, got {max_tokens}")
         m.check(self, sampling)
         predicted = self.prediction_tokens(prediction) if prediction is not None else []
-        if predicted and not m.takes_prediction:
-            raise SpeceeError(f"prediction: mode {m.name} does not take one (it drafts no "
-                              f"tokens to verify; the modes that do: plain, spec)")
+        if predicted and (why := m.refuses_prediction()):
+            raise SpeceeError(f"prediction: {why}")
         start = m.start(self, sampling, opts)   # fails here, before any decoding
         tokens = self.prompt_tokens(prompt, chat=chat)
         check_fits(len(tokens), max_tokens, self.n_ctx)

@@ -81,6 +81,14 @@ class Mode:
                     f"runs one batch layer by layer)")
         return None
 
+    def refuses_prediction(self) -> str | None:
+        """Why this mode takes no predicted output (None: it does)."""
+        if self.takes_prediction:
+            return None
+        takers = [name for name, mode in _MODES.items() if mode.takes_prediction]
+        return (f"mode {self.name} does not take one (it does not verify drafts into plain "
+                f"decoding's output); the modes that do: {', '.join(takers)}")
+
     def check(self, llm: LLM, sampling: SamplingConfig) -> None:
         """What every mode's ``start`` would check first: a draft model where the mode needs
         one, greedy decoding where it decodes nothing else. Raised with the offending value."""

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from ..errors import SpeceeError
 from .modes import Mode, register
+from .predicted import predicted_loop
 from .sampling import Picker, make_picker
 from .steps import Step, with_note
 
@@ -30,17 +30,6 @@ def generate_plain(seq: Sequence, prompt: list[int], pick: Picker) -> Iterator[S
         timings = {"decode": time.perf_counter() - t0}
 
 
-# Drafting from a caller's prediction is the speculative loop's work, a layer above this one:
-# the speculative package hands plain decoding its runner when it loads
-# (``run_predictions_with``): (llm, prompt, prediction, sampling, most new tokens) -> steps
-_predicted: Callable[..., Iterator[Step]] | None = None
-
-
-def run_predictions_with(runner: Callable[..., Iterator[Step]]) -> None:
-    global _predicted
-    _predicted = runner
-
-
 class Plain(Mode):
     """The reference every other mode is measured (and, if lossless, checked) against."""
 
@@ -54,10 +43,7 @@ class Plain(Mode):
 
         def run(tokens, max_new, prediction=None):
             if prediction:
-                if _predicted is None:
-                    raise SpeceeError("prediction: drafting from one needs the speculative "
-                                      "package (import specee_cpp)")
-                return with_note(_predicted(llm, tokens, prediction, sampling, max_new),
+                return with_note(predicted_loop(llm, tokens, prediction, sampling, max_new),
                                  "plain, with drafts from the prediction")
             return generate_plain(llm.tgt.seq, tokens, pick)
 

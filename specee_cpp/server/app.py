@@ -158,9 +158,8 @@ class Server:
         check_fits(n_prompt, limit, llm.n_ctx)
         predicted = None
         if body.prediction is not None:
-            if not mode.takes_prediction:
-                raise FieldError("prediction", f"prediction: mode {mode.name} does not take "
-                                 f"one (it drafts no tokens to verify); plain and spec do")
+            if why := mode.refuses_prediction():
+                raise FieldError("prediction", f"prediction: {why}")
             try:
                 predicted = llm.prediction_tokens(body.prediction.text())
             except SpeceeError as e:

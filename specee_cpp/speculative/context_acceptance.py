@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from ..config import COPY_EPOCHS, COPY_MEMBERS, COPY_PER_STREAM
+from ..engine.drafts import accept_greedy, draft_room
 from ..errors import SpeceeError
 from ..mlp import forward_mean, load_npz, save_npz, stack, train_mlp
 from ..paths import BUNDLE_DIR
 from .cost import VerifyScale, as_table
-from .decode import accept_greedy, draft_room
 from .policies import context_guard
 from .context_drafter import ContextSource, best_prefix
 

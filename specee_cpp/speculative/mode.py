@@ -442,10 +442,9 @@ def spec_runner(llm, sampling, dft, policy, hist, note: str, context_for):
 
 def _prediction_only(llm, sampling, pred):
     """The free drafter of a run that drafts from no context: the prediction alone, if any."""
-    from .context_drafter import ContextSource, free_draft_max
+    from .prediction import prediction_drafter
 
-    return ContextSource(None, prediction=pred, follow_max=free_draft_max(sampling),
-                         is_eog=llm.model.is_eog) if pred else None
+    return prediction_drafter(llm, pred, sampling) if pred else None
 
 
 class Spec(Mode):
@@ -655,11 +654,11 @@ class Spec(Mode):
 register(Spec())
 
 
-def _plain_predictions() -> None:
-    from ..engine.plain import run_predictions_with
-    from .prediction import generate_predicted
+def _give_predictions() -> None:
+    from ..engine.predicted import provided_by
+    from .prediction import generate_predicted, prediction_drafter
 
-    run_predictions_with(generate_predicted)
+    provided_by(generate_predicted, prediction_drafter)
 
 
-_plain_predictions()
+_give_predictions()

@@ -215,15 +215,25 @@ def assumed_costs():
                      long_batch_s=[1.0 + PREDICTION_ROW_COST * (MAX_FREE_VERIFY - 1)])
 
 
+def prediction_drafter(llm, prediction: list[int] | Prediction, sampling):
+    """The free drafter over the caller's predicted output alone (no context, no draft
+    model), priced without this machine's table at the dearest verification measured
+    anywhere: what plain decoding, early exit and a run without context drafts draw from
+    when given a prediction."""
+    from .context_drafter import ContextSource, free_draft_max
+
+    if not isinstance(prediction, Prediction):
+        prediction = Prediction(prediction)
+    return ContextSource(None, prediction=prediction, follow_max=free_draft_max(sampling),
+                         is_eog=llm.model.is_eog)
+
+
 def generate_predicted(llm, prompt: list[int], prediction: list[int], sampling, max_new: int):
     """Plain decoding that drafts from the caller's predicted output where the output follows
     it, each draft verified by the target in one batch (the speculative loop without a draft
-    model), priced without this machine's table at the dearest verification measured
-    anywhere: what mode plain runs when given a prediction (engine/plain.py)."""
-    from .context_drafter import ContextSource, free_draft_max
+    model): what mode plain runs when given a prediction (engine/plain.py)."""
     from .decode import generate_spec
 
-    context = ContextSource(None, prediction=Prediction(prediction),
-                            follow_max=free_draft_max(sampling), is_eog=llm.model.is_eog)
-    return generate_spec(llm.tgt.seq, None, prompt, 0, sampling, context=context,
+    return generate_spec(llm.tgt.seq, None, prompt, 0, sampling,
+                         context=prediction_drafter(llm, prediction, sampling),
                          max_new=max_new, is_eog=llm.model.is_eog)
