@@ -144,6 +144,10 @@ def test_a_prediction_drafts_between_checked_exits(bundle, small_llm, monkeypatc
                 exits += sum(res.stats.exit_layers.values())
                 assert "drafts from the prediction" in res.stats.note
     assert exits > 0   # past the prediction's end the steps probe and exit again
+    for n in (1, 2, 3):   # no draft runs past the tokens asked for
+        res = small_llm.generate(prompt, max_tokens=n, mode="ee", options=probing,
+                                 prediction=plain.tokens)
+        assert res.tokens == plain.tokens[:n] and res.stats.n_drafted <= max(n - 1, 0)
 
 
 def test_bundle_for_another_model_is_refused(bundle, tiny_llama):
