@@ -109,8 +109,6 @@ def chat(
 ) -> None:
     """Multi-turn chat in the terminal. /exit ends it; Ctrl-C stops the current reply;
     /predict FILE makes the next reply draft from FILE (the text it will mostly repeat)."""
-    from ..engine.steps import Transcript
-
     if system is not None:
         checked(system, "--system")
     model, draft = _default_pair(model, draft)
@@ -123,52 +121,60 @@ def chat(
         m.prepare(llm, opts, status=status_line)
         # stopped before the models are freed (a timing paused mid-way holds a context)
         with closing(_idle(llm, m, opts)) as idle:
-            err.print(f"[bold]{llm.model.path.name}[/bold]"
-                      + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
-                      + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply"
-                      + (", /predict FILE for an edit of FILE." if m.takes_prediction else "."))
-            messages: list[dict] = [{"role": "system", "content": system}] if system else []
-            predicted: str | None = None   # /predict FILE: for the next reply only
-            if hasattr(sys.stdin, "reconfigure"):
-                # a line that is not UTF-8 reaches the model's check, which names the byte and
-                # keeps the session, instead of ending it in input()
-                sys.stdin.reconfigure(errors="surrogateescape")
-            answered = False   # the first question never waits on a slice of measurement
-            while True:
-                try:
-                    with _while_idle(idle if answered else None):
-                        user = input("\n> ")
-                except EOFError:
-                    break
-                except KeyboardInterrupt:
-                    err.print("\n[dim](Ctrl-C at the prompt: type /exit or press Ctrl-D to "
-                              "quit)[/dim]")
-                    continue
-                if user.strip() in _EXIT_WORDS:
-                    break
-                if not user.strip():
-                    continue
-                if user.strip().split()[0] == "/predict":
-                    predicted = _predict_command(user, m)
-                    continue
-                messages.append({"role": "user", "content": user})
-                reply = Transcript()
-                try:
-                    pred, predicted = predicted, None
-                    for step in llm.stream(messages, max_tokens=max_tokens, sampling=sampling,
-                                           mode=m, options=opts, prediction=pred):
-                        out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
-                except KeyboardInterrupt:
-                    err.print("\n[dim](reply stopped)[/dim]", end="")
-                except SpeceeError as e:  # the conversation outgrew the context: keep the session
-                    err.print(f"\n[red]error:[/red] {e}", markup=True)
-                    messages.pop()
-                    continue
-                out.print()
-                answered = True
-                messages.append({"role": "assistant", "content": reply.text})
-                if reply.stats is not None:
-                    print_stats(reply.stats, verbose)
+            _converse(llm, m, opts, idle, sampling, system, max_tokens, verbose)
+
+
+def _converse(llm, m, opts, idle, sampling, system: str | None, max_tokens: int,
+              verbose: bool) -> None:
+    """Chat's turns until /exit or the end of input; ``idle`` (engine/idle.py) measures while
+    the user types."""
+    from ..engine.steps import Transcript
+
+    err.print(f"[bold]{llm.model.path.name}[/bold]"
+              + (f" + draft {llm.draft_path.name}" if llm.draft_path else "")
+              + f", mode {m.name}. Type /exit to quit, Ctrl-C stops a reply"
+              + (", /predict FILE for an edit of FILE." if m.takes_prediction else "."))
+    messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    predicted: str | None = None   # /predict FILE: for the next reply only
+    if hasattr(sys.stdin, "reconfigure"):
+        # a line that is not UTF-8 reaches the model's check, which names the byte and
+        # keeps the session, instead of ending it in input()
+        sys.stdin.reconfigure(errors="surrogateescape")
+    answered = False   # the first question never waits on a slice of measurement
+    while True:
+        try:
+            with _while_idle(idle if answered else None):
+                user = input("\n> ")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            err.print("\n[dim](Ctrl-C at the prompt: type /exit or press Ctrl-D to quit)[/dim]")
+            continue
+        if user.strip() in _EXIT_WORDS:
+            break
+        if not user.strip():
+            continue
+        if user.strip().split()[0] == "/predict":
+            predicted = _predict_command(user, m)
+            continue
+        messages.append({"role": "user", "content": user})
+        reply = Transcript()
+        try:
+            pred, predicted = predicted, None
+            for step in llm.stream(messages, max_tokens=max_tokens, sampling=sampling,
+                                   mode=m, options=opts, prediction=pred):
+                out.print(reply.add(step).text, end="", markup=False, soft_wrap=True)
+        except KeyboardInterrupt:
+            err.print("\n[dim](reply stopped)[/dim]", end="")
+        except SpeceeError as e:  # e.g. the conversation outgrew the context: keep the session
+            err.print(f"\n[red]error:[/red] {e}", markup=True)
+            messages.pop()
+            continue
+        out.print()
+        answered = True
+        messages.append({"role": "assistant", "content": reply.text})
+        if reply.stats is not None:
+            print_stats(reply.stats, verbose)
 
 
 def _idle(llm, m, opts):

@@ -15,10 +15,9 @@ wins over both.
 from __future__ import annotations
 
 import time
-
-from ..config import READ_AHEAD_BYTES, READ_AHEAD_MARGIN
 from typing import Callable
 
+from ..config import READ_AHEAD_BYTES, READ_AHEAD_MARGIN
 from .timing import (Steps, measured_here, restoring, run_steps, store_timing,
                      time_in_turn_steps, timing_cached, timing_tokens)
 
@@ -28,19 +27,13 @@ PREFIX = "read-ahead"
 NOT_YET = "not measured on this machine yet: off until it is, in idle time"
 
 
-def time_read_ahead(model, n_threads: int, tokens: list[int], distance: int,
-                    decodes: int = 16, warmup: int = 2, clock=time.perf_counter) -> dict:
-    """Median seconds of one decoded token of ``model`` with the read-ahead at ``distance``
-    bytes and off, after ``tokens`` in the cache, alternating token by token (a machine
-    slowing down slows both), each first in turn: {"on": s, "off": s, "distance": bytes}."""
-    return run_steps(time_read_ahead_steps(model, n_threads, tokens, distance, decodes, warmup,
-                                           clock))
-
-
 def time_read_ahead_steps(model, n_threads: int, tokens: list[int], distance: int,
                           decodes: int = 16, warmup: int = 2, clock=time.perf_counter) -> Steps:
-    """:func:`time_read_ahead` a decode at a time. Between two steps the read-ahead is as it
-    was before: whatever decodes meanwhile (a reply) runs as it would have."""
+    """Median seconds of one decoded token of ``model`` with the read-ahead at ``distance``
+    bytes and off, after ``tokens`` in the cache, alternating token by token (a machine
+    slowing down slows both), each first in turn: {"on": s, "off": s, "distance": bytes}.
+    Taken a decode at a time; between two steps the read-ahead is as it was before, so
+    whatever decodes meanwhile (a reply) runs as it would have."""
     from ..bindings import Batch, Context, kernel_switch, set_kernel_switch
 
     before = kernel_switch("READ_AHEAD")
