@@ -71,7 +71,9 @@ def test_a_median_table_takes_each_price_s_median():
     assert m.plain_token_s == 2.0 and m.long_batch_s == [20.0] and m.long_sizes == [24]
 
 
-def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_model):
+def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_model,
+                                                                   monkeypatch):
+    from specee_cpp.bindings import Context
     from specee_cpp.speculative.idle import partial_path
     from specee_cpp.speculative.mode import (SpecOptions, cost_key, estimate_key,
                                              estimated_costs, forget_costs, idle_work)
@@ -106,8 +108,15 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
         return partial_path(key).is_file() and len(
             json.loads(partial_path(key).read_text())["points"][0].get("plain", [])) >= 3
 
+    closed: list = []
+    close = Context.close
+    monkeypatch.setattr(Context, "close", lambda ctx: (closed.append(ctx), close(ctx))[1])
     idle.run(stop=request_arrives)
     assert not idle.done and partial_path(key).is_file() and len(seen) > 3
+    # the end of the chat: the paused measurement's own context is freed before the models
+    n_closed = len(closed)
+    idle.close()
+    assert len(closed) == n_closed + 1 and idle.pending()
     # another process picks it up where this one stopped
     with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as other:
         other.defer_costs = True
