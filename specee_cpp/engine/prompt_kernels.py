@@ -14,15 +14,14 @@ set again at every later load. A switch set by hand (``SPECEE_CPP_<name>``) is l
 """
 from __future__ import annotations
 
-import json
 import time
 
 from ..config import COST_PROMPT, PROMPT_KERNEL_MARGIN, PROMPT_KERNEL_ROWS
-from ..paths import write_text_atomic
-from .timing import (Steps, cache_file, measured_here, restoring, run_steps,
-                     time_in_turn_steps)
+from .timing import (Steps, measured_here, restoring, run_steps, store_timing,
+                     time_in_turn_steps, timing_cached)
 
 VERSION = 1          # part of the cache key: a changed method measures again
+PREFIX = "prompt-kernels"
 EVERY_BATCH = 1 << 30   # a row limit no batch reaches
 # the switches whose kernels may read prompts (the others stop at verification sizes), and
 # the weight types each one's kernels take
@@ -92,22 +91,11 @@ def prompt_kernels_known(llm) -> bool:
     return not names or _measured(llm, names) is not None
 
 
-def _cache(llm):
-    from ..provenance import machine
-
-    return cache_file("prompt-kernels", VERSION, llm.model.path, machine(llm.config.threads))
-
-
-def _measured(llm, names: list[str]) -> dict | None:
+def _measured(llm, names: list[str]) -> tuple[dict, str] | None:
     """This machine's cached measurement for ``llm``'s target where it holds every switch
-    of ``names``; else None (none yet, torn, or another layout)."""
-    try:
-        seen = json.loads(_cache(llm).read_text(encoding="utf-8"))
-        if all({"ours", "upstream"} <= set(seen.get(n, {})) for n in names):
-            return seen
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    return None
+    of ``names``, with where it came from; else None (none yet, torn, or another layout)."""
+    return timing_cached(llm, PREFIX, VERSION, lambda seen: all(
+        isinstance(seen.get(n), dict) and {"ours", "upstream"} <= set(seen[n]) for n in names))
 
 
 def _applies(llm) -> list[str]:
@@ -137,10 +125,10 @@ def prompt_kernels_steps(llm, measure: bool = False, progress=None) -> Steps:
     names = _applies(llm)
     if not names:
         return {}
-    cache = _cache(llm)
-    seen = _measured(llm, names)
-    source = f"measured on this machine ({cache.name})"
-    if seen is None:
+    hit = _measured(llm, names)
+    if hit is not None:
+        seen, source = hit
+    else:
         if not measure:
             return {}
         raw = llm.prompt_tokens(COST_PROMPT, chat=False)
@@ -151,7 +139,7 @@ def prompt_kernels_steps(llm, measure: bool = False, progress=None) -> Steps:
                 progress(f"prompt kernels: {name}, ours and upstream's")
             seen[name] = yield from time_prompt_kernels_steps(llm.model, llm.config.threads,
                                                               tokens, name)
-        write_text_atomic(cache, json.dumps(seen))
+        store_timing(llm, PREFIX, VERSION, seen)
         source = "measured on this machine now"
     out = {}
     for name in names:
@@ -168,7 +156,7 @@ def measured() -> list[tuple[str, str, bool, float, float]]:
     """What was measured on this machine at any thread count: (model, with its thread count
     where not the default; switch; ours chosen?; seconds ours; seconds upstream's) each."""
     out = []
-    for name, seen in measured_here("prompt-kernels", VERSION):
+    for name, seen in measured_here(PREFIX, VERSION):
         try:
             out += [(name, sw, choose(s), s["ours"], s["upstream"]) for sw, s in seen.items()]
         except (KeyError, TypeError, AttributeError):

@@ -101,16 +101,22 @@ def cache_file(prefix: str, version: int, model_path, where: dict):
                                f"-m{machine_id(where)}-v{version}.json")
 
 
+def timing_file(llm, prefix: str, version: int):
+    """Where this machine's timing ``prefix`` of ``llm``'s target is cached."""
+    from ..provenance import machine
+
+    return cache_file(prefix, version, llm.model.path, machine(llm.config.threads))
+
+
 def timing_cached(llm, prefix: str, version: int,
                   fits: Callable[[dict], bool]) -> tuple[dict, str] | None:
     """This machine's cached timing ``prefix`` of ``llm``'s target where there is one and it
-    ``fits``, with where it came from; else None (none yet, torn or another layout)."""
-    from ..provenance import machine
-
-    cache = cache_file(prefix, version, llm.model.path, machine(llm.config.threads))
+    ``fits`` (a dict), with where it came from; else None (none yet, torn or another
+    layout)."""
+    cache = timing_file(llm, prefix, version)
     try:
         seen = json.loads(cache.read_text(encoding="utf-8"))
-        if fits(seen):
+        if isinstance(seen, dict) and fits(seen):
             return seen, f"measured on this machine ({cache.name})"
     except (OSError, ValueError, TypeError):
         pass
@@ -127,10 +133,8 @@ def timing_tokens(llm) -> list[int]:
 
 def store_timing(llm, prefix: str, version: int, seen: dict) -> None:
     from ..paths import write_text_atomic
-    from ..provenance import machine
 
-    write_text_atomic(cache_file(prefix, version, llm.model.path,
-                                 machine(llm.config.threads)), json.dumps(seen))
+    write_text_atomic(timing_file(llm, prefix, version), json.dumps(seen))
 
 
 def cached_timing(llm, prefix: str, version: int, fits: Callable[[dict], bool],
