@@ -92,9 +92,11 @@ def generate_ee(seq: Sequence, prompt: list[int], provider: CandidateProvider,
         t_draft = clock() - t0
         if not len(cand):   # nothing to probe: a plain decode
             seq.decode([token])
-            step = Step(token=seq.argmax(), timings={"decode": clock() - t0})
+            nxt = seq.argmax()
+            seconds = clock() - t0
+            step = Step(token=nxt, timings={"decode": seconds})
             if drafts is not None:
-                drafts.plain_step(clock() - t0)
+                drafts.plain_step(seconds)
                 drafts.extend([step.token], emitted=True)
             continue
         nxt, exit_layer, probed, timings = _probed(seq, token, cand, layers, predictors,
