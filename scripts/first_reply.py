@@ -1,8 +1,11 @@
 """Seconds from `specee-cpp chat` to the first character of its first reply, as a new user
-meets it: the models already downloaded, nothing of this machine measured yet.
+meets it: the models already downloaded, nothing of this machine measured yet. With
+``--serve``, from `specee-cpp serve` to the first character of a streamed answer to a
+request sent as soon as the server listens.
 
     python scripts/first_reply.py                 # the default pair, 3 fresh starts
     python scripts/first_reply.py --runs 5 --model smollm2-135m
+    python scripts/first_reply.py --serve
 
 Each start gets an empty home of its own (``SPECEE_CPP_HOME``) that shares only the
 downloaded models, source archive, wheels and tools of the real one, so no cost table, no
@@ -11,6 +14,7 @@ kernel choice and no attention timing is cached.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import shutil
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 SHARED = ("models", "sdist", "wheels", "tools")
@@ -76,6 +81,41 @@ def first_reply(args: list[str], prompt: str, timeout: float) -> float | None:
         return at
 
 
+def first_answer(args: list[str], prompt: str, timeout: float) -> float | None:
+    """Seconds until a server started now streams the first character of its answer to a
+    request sent as soon as it prints its address."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, SPECEE_CPP_HOME=str(fresh_home(Path(tmp))),
+                   PYTHONUNBUFFERED="1")
+        t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "specee_cpp.cli", "serve", *args,
+                              "--port", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        try:
+            line = p.stdout.readline().decode()   # "... on http://127.0.0.1:PORT/v1"
+            if "http://" not in line:
+                return None
+            body = json.dumps({"messages": [{"role": "user", "content": prompt}],
+                               "max_tokens": 32, "stream": True}).encode()
+            req = urllib.request.Request(line.split()[-1] + "/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                for raw in r:
+                    data = raw.decode().strip().removeprefix("data: ")
+                    if not raw.startswith(b"data:") or data == "[DONE]":
+                        continue
+                    choices = json.loads(data).get("choices") or [{}]
+                    if choices[0].get("delta", {}).get("content"):
+                        return time.perf_counter() - t0
+            return None
+        finally:
+            p.terminate()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -83,17 +123,21 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--prompt", default="Write a Python function that adds two numbers.")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--serve", action="store_true",
+                    help="time `serve` to its first streamed answer instead of chat")
     a = ap.parse_args()
     args = ([a.model] if a.model else []) + (["--draft", a.draft] if a.draft else [])
+    what = "first answer" if a.serve else "first reply"
     times = []
     for i in range(a.runs):
-        s = first_reply(args + ["-n", "32"], a.prompt, a.timeout)
-        print(f"start {i + 1}: " + (f"first reply after {s:.1f} s" if s is not None
-                                    else "no reply"), flush=True)
+        s = (first_answer(args, a.prompt, a.timeout) if a.serve
+             else first_reply(args + ["-n", "32"], a.prompt, a.timeout))
+        print(f"start {i + 1}: " + (f"{what} after {s:.1f} s" if s is not None
+                                    else f"no {what.split()[1]}"), flush=True)
         if s is not None:
             times.append(s)
     if times:
-        print(f"first reply after {min(times):.1f}-{max(times):.1f} s over {len(times)} fresh "
+        print(f"{what} after {min(times):.1f}-{max(times):.1f} s over {len(times)} fresh "
               f"starts")
 
 

@@ -85,8 +85,9 @@ def prefetch_state(system_info: str, distance: int | None) -> str:
 
     seen = measured()
     if not seen:
-        return ("off until measured: the first load of a model on this machine (in chat, its "
-                "first idle time) times it on and off and keeps the faster")
+        return ("off until measured: the first load of a model on this machine (in chat and "
+                "a server of one request at a time, their first idle time) times it on and off "
+                "and keeps the faster")
     return "; ".join(f"{name}: {'on' if on else 'off'} ({1e3 * t_on:.2f} ms a token with it, "
                      f"{1e3 * t_off:.2f} ms without)" for name, on, t_on, t_off in seen)
 

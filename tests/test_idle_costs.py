@@ -76,7 +76,7 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
     from specee_cpp.bindings import Context
     from specee_cpp.speculative.idle import partial_path
     from specee_cpp.speculative.mode import (SpecOptions, cost_key, estimate_key,
-                                             estimated_costs, forget_costs, idle_work)
+                                             estimated_costs, forget_costs, idle_costs_job)
 
     key, _ = cost_key(pair)
     cache_path(key).unlink(missing_ok=True)
@@ -92,7 +92,7 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
     assert "not measured yet" in first.stats.note and not cache_path(key).exists()
     assert first.stats.by_source.get("model") is None
     lines: list[str] = []
-    idle = idle_work(pair, "spec", opts, log=lines.append)
+    idle = idle_costs_job(pair, "spec", opts, log=lines.append)
     assert idle is not None and idle.pending()
     # first an estimate in a few timed steps, cached; runs are priced by it meanwhile
     idle.run(stop=lambda: estimated_costs(pair) is not None)
@@ -120,7 +120,7 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
     # another process picks it up where this one stopped
     with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as other:
         other.defer_costs = True
-        later = idle_work(other, "spec", opts, log=lines.append)
+        later = idle_costs_job(other, "spec", opts, log=lines.append)
         assert later.run(stop=lambda: False) and later.done
         assert any("resuming the cost measurement" in line for line in lines), lines
         assert cache_path(key).is_file() and not partial_path(key).exists()
@@ -141,7 +141,7 @@ def test_a_table_disturbed_in_idle_time_prices_the_run_and_is_not_kept(pair, mon
     from specee_cpp.speculative import idle as idle_module
     from specee_cpp.speculative.cost import as_table
     from specee_cpp.speculative.idle import partial_path
-    from specee_cpp.speculative.mode import (SpecOptions, cost_key, forget_costs, idle_work,
+    from specee_cpp.speculative.mode import (SpecOptions, cost_key, forget_costs, idle_costs_job,
                                              measured_costs)
 
     # the full table (two contexts) reads as disturbed, the first estimate (one) does not
@@ -155,7 +155,7 @@ def test_a_table_disturbed_in_idle_time_prices_the_run_and_is_not_kept(pair, mon
     pair.defer_costs = True
     lines: list[str] = []
     try:
-        idle = idle_work(pair, "spec", SpecOptions(gamma="auto"), log=lines.append)
+        idle = idle_costs_job(pair, "spec", SpecOptions(gamma="auto"), log=lines.append)
         assert idle.run(stop=lambda: False) and idle.done
         assert not cache_path(key).exists() and not partial_path(key).exists()
         assert measured_costs(pair) is not None    # this run drafts with it

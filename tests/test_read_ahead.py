@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -137,3 +138,70 @@ def test_idle_jobs_run_one_after_the_other():
     assert ran == ["read-ahead"] * 3 + ["costs"] * 2
     work.close()
     assert all(j.closed for j in work.jobs) and len(work.jobs) == 2
+
+
+def test_what_has_no_idle_time_times_it_first(tiny_llama, tmp_path, monkeypatch):
+    """A step of several slots is timed against one token as a server will run them, the
+    read-ahead decided first; a server's slots, never idle, start with it decided; a
+    server of one request at a time leaves it to its idle jobs, and stops them on close."""
+    from specee_cpp.engine import slot_step
+    from specee_cpp.server.worker import Worker
+
+    monkeypatch.delenv("SPECEE_CPP_READ_AHEAD", raising=False)
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path / "step"))
+    at_step = []
+    time_step = slot_step.time_step
+    monkeypatch.setattr(slot_step, "time_step",
+                        lambda *a, **k: at_step.append(llm.read_ahead[1]) or time_step(*a, **k))
+    cfg = specee_cpp.LoadConfig(n_ctx=256, n_threads=1)
+    with LLM(str(tiny_llama), config=cfg, measure_now=False) as llm:
+        slot_step.step_timing(llm)
+        assert len(at_step) == 1 and at_step[0].startswith("measured on this machine now")
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path / "slots"))
+    with LLM(str(tiny_llama), config=specee_cpp.LoadConfig(n_ctx=256, n_threads=1, n_seq=2),
+             measure_now=False) as llm:
+        assert llm.read_ahead[1] == read_ahead.NOT_YET
+        worker = Worker(llm)
+        worker.close()
+        assert llm.read_ahead[1].startswith("measured on this machine now")
+
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path / "one"))
+    with LLM(str(tiny_llama), config=cfg, measure_now=False) as llm:
+        job = _Job("read-ahead", 3, [])
+        worker = Worker(llm, idle=job)
+        assert worker.idle is job
+        worker.close()
+        assert job.closed and llm.read_ahead[1] == read_ahead.NOT_YET
+
+
+def test_a_server_of_one_request_at_a_time_times_it_between_requests(tiny_llama, tmp_path):
+    """A new machine's server listens before the read-ahead is timed; the timing follows
+    the first answer, in idle time, and is cached."""
+    import json
+    import urllib.request
+
+    env = {k: v for k, v in os.environ.items() if k != "SPECEE_CPP_READ_AHEAD"}
+    env.update(SPECEE_CPP_HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "specee_cpp.cli", "serve", str(tiny_llama),
+                          "--mode", "plain", "--parallel", "1", "--port", "0", "--n-ctx", "128",
+                          "--threads", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cached = lambda: list(tmp_path.glob("costs/read-ahead-*.json"))   # noqa: E731
+    try:
+        url = p.stdout.readline().split()[-1]
+        assert url.startswith("http://") and not cached()
+        req = urllib.request.Request(url + "/completions", headers={
+            "Content-Type": "application/json"}, data=json.dumps(
+                {"prompt": "Hi", "max_tokens": 2}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] >= 1
+        for _ in range(600):
+            if cached():
+                break
+            time.sleep(0.1)
+        assert len(cached()) == 1
+    finally:
+        p.terminate()
+        _, stderr = p.communicate(timeout=30)
+    assert "weight read-ahead" in stderr and "Traceback" not in stderr, stderr

@@ -157,7 +157,7 @@ def test_serve_opens_its_slots_or_falls_back_to_one(small_model, monkeypatch):
                         lambda llm: (_timing(2.0), "measured on this machine"))
     loads = []
     load = run._load
-    monkeypatch.setattr(run, "_load", lambda *a: loads.append(load(*a)) or loads[-1])
+    monkeypatch.setattr(run, "_load", lambda *a, **k: loads.append(load(*a, **k)) or loads[-1])
     config = LoadConfig(n_ctx=256, n_threads=2)
     draft = str(small_model)      # the same vocabulary: a draft the slots let go
 

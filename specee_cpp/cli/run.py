@@ -181,14 +181,13 @@ def _idle(llm, m, opts):
     """The measurements chat runs while it waits for input (engine/idle.py): the weights'
     read-ahead, then the costs of a speculative run; their lines go to stderr, dim in a
     terminal."""
-    from ..engine.idle import IdleWork
-    from ..engine.read_ahead import IdleReadAhead
-    from ..speculative.mode import idle_work
+    from ..engine.idle import idle_work
+    from ..speculative.mode import idle_costs_job
 
     def log(line: str) -> None:
         err.print(f"[dim]({escape(line)})[/dim]")
 
-    return IdleWork([IdleReadAhead(llm, log), idle_work(llm, m, opts, log=log)])
+    return idle_work(llm, idle_costs_job(llm, m, opts, log=log), log)
 
 
 @contextmanager
@@ -237,7 +236,7 @@ def _default_slots(model: str, draft: str | None, config, alone, in_slots,
     sequence a slot, without the draft."""
     from ..server.slot_count import default_slots
 
-    llm = _load(model, draft, config)
+    llm = _load(model, draft, config, measure_now=False)   # see serve
     n, why = default_slots(llm, alone, *in_slots, draft_given=draft_given)
     if n > 1:
         try:
@@ -327,12 +326,15 @@ def serve(
         sock = socket.create_server((host, port))
     except OSError as e:
         raise SpeceeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # what this machine's timings still lack is taken between requests, so a new machine
+    # listens as soon as the models are in (server/worker.py; slots, which have no idle
+    # time, take it before they start)
     if parallel is None:
         llm, parallel, why = _default_slots(model, draft, config, alone[0], in_slots,
                                             draft_given=given_draft is not None)
         err.print(f"[dim]--parallel {parallel} (the default here): {escape(why)}[/dim]")
     else:
-        llm = _load(model, draft, config)
+        llm = _load(model, draft, config, measure_now=False)
     m, opts = in_slots if parallel > 1 else alone
     with llm:
         llm.defer_costs = True   # measured between requests (speculative/idle.py)

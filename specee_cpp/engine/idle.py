@@ -1,9 +1,10 @@
 """Measurements of this machine taken in idle time, one after the other.
 
-Chat hands the time its user spends typing to what its models still lack here: the
-weights' read-ahead (engine/read_ahead.py) first, since every later timing decodes with it,
-then the pair's cost table (speculative/idle.py). Each job takes slices of one timed decode,
-so a reply waits at most for the slice in flight.
+Chat hands the time its user spends typing, and a server of one request at a time the time
+between requests, to what its models still lack here: the weights' read-ahead
+(engine/read_ahead.py) first, since every later timing decodes with it, then the pair's cost
+table (speculative/idle.py). Each job takes slices of one timed decode, so an answer waits
+at most for the slice in flight.
 """
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ class IdleWork:
         """Stop the jobs in progress, freeing their contexts before the models go."""
         for job in self.jobs:
             job.close()
+
+
+def idle_work(llm, then: IdleJob | None, log: Callable[[str], None]) -> IdleWork:
+    """What ``llm``'s idle time measures: the weights' read-ahead where its load left it to
+    idle time, then ``then`` (the pair's costs, or None); each says what it found in ``log``."""
+    from .read_ahead import IdleReadAhead
+
+    return IdleWork([IdleReadAhead(llm, log), then])

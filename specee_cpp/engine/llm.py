@@ -165,8 +165,9 @@ class LLM:
         # and serve set it, a script and the benchmark measure first
         self.defer_costs = False
         # the x86 kernels' weight read-ahead, as measured for this model on this machine (where
-        # it is not yet: timed now, or with ``measure_now`` False off until chat times it in
-        # idle time), and the kernels that read its prompts where measured (else upstream's)
+        # it is not yet: timed now, or with ``measure_now`` False off until chat or serve
+        # times it in idle time), and the kernels that read its prompts where measured (else
+        # upstream's)
         self.read_ahead = read_ahead(self, measure=measure_now)
         self.prompt_kernels = prompt_kernels(self)
 

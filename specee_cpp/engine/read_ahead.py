@@ -7,10 +7,11 @@ made a plain token 8-19% cheaper on the Zen 3 and Zen 5 machines it was tuned on
 9% dearer on a Zen 4 (docs/kernels.md). So the library starts with it off, upstream's
 behaviour, and the first load of a model on a machine times one-token decodes with it on
 and off, in turn (a second or two), keeps the faster, and caches the choice beside the cost
-tables. Chat loads without waiting for that timing (``measure=False``): it runs with the
-read-ahead off and takes the timing in slices of idle time (:class:`IdleReadAhead`), so a
-new machine's first reply is as quick as any other's. ``SPECEE_CPP_READ_AHEAD`` set by hand
-wins over both.
+tables. Chat and a server of one request at a time load without waiting for that timing
+(``measure=False``): they run with the read-ahead off and take the timing in slices of idle
+time (:class:`IdleReadAhead`), so a new machine's first answer is as quick as any other's;
+what has no idle time, or times decodes that must run as later ones will, takes it first
+(:func:`settle`). ``SPECEE_CPP_READ_AHEAD`` set by hand wins over all.
 """
 from __future__ import annotations
 
@@ -100,6 +101,14 @@ def read_ahead(llm, measure: bool = True) -> tuple[int | None, str]:
         set_kernel_switch("READ_AHEAD", 0)
         return 0, NOT_YET
     return run_steps(read_ahead_steps(llm))
+
+
+def settle(llm) -> None:
+    """Time the read-ahead now where ``llm``'s load left it to idle time: before a timing
+    whose decodes must run as the later ones will (a step of several slots against one
+    token), or for a run that has no idle time (the slots of a server)."""
+    if llm.read_ahead[1] == NOT_YET:
+        llm.read_ahead = run_steps(read_ahead_steps(llm))
 
 
 def read_ahead_steps(llm) -> Steps:

@@ -295,10 +295,13 @@ async def completions(body: CompletionRequest, request: Request,
 
 def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     """The app serving ``llm``; the worker's threads run its requests in arrival order."""
-    from ..speculative.mode import idle_work
+    from ..engine.idle import idle_work
+    from ..speculative.mode import idle_costs_job
 
-    idle = idle_work(llm, cfg.mode, cfg.options,
-                     log=lambda line: print(f"specee-cpp: {line}", file=sys.stderr, flush=True))
+    def log(line: str) -> None:
+        print(f"specee-cpp: {line}", file=sys.stderr, flush=True)
+
+    idle = idle_work(llm, idle_costs_job(llm, cfg.mode, cfg.options, log=log), log)
     worker = Worker(llm, max_queue=cfg.max_queue, idle=idle)
 
     @asynccontextmanager

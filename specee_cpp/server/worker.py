@@ -92,10 +92,6 @@ class Worker:
     def __init__(self, llm: LLM, max_queue: int = 16, idle=None):
         if max_queue < 1:
             raise SpeceeError(f"--max-queue must be at least 1, got {max_queue}")
-        # the requests decode on the slots' threads (the steps' thread): the thread that
-        # loaded the model, and measured this machine, gives back the OpenMP team it decoded
-        # with, else every decode would run slower (bindings._ffi.release_openmp_threads)
-        release_openmp_threads()
         self.llm = llm
         self.max_queue = max_queue
         self._busy: dict[int, Job] = {}   # id -> a running job
@@ -105,15 +101,22 @@ class Worker:
         if self.slots == 1:
             views = [llm]
             self.decoder = None
-            # the machine's costs, measured between requests (speculative/idle.py), or None
+            # what this machine's timings still lack, measured between requests
+            # (engine/idle.py), or None
             self.idle = idle
         else:
+            from ..engine.read_ahead import settle
             from ..engine.slots import slots
 
-            # measuring costs takes the whole machine, which is never idle between requests
-            # of several slots: the costs come from `specee-cpp costs`
+            # measuring takes the whole machine, which is never idle between requests of
+            # several slots: the read-ahead is timed now, the costs come from `specee-cpp costs`
+            settle(llm)
             self.decoder, views = slots(llm)
             self.idle = None
+        # the requests decode on the slots' threads (the steps' thread): the thread that
+        # loaded the model, and measured this machine, gives back the OpenMP team it decoded
+        # with, else every decode would run slower (bindings._ffi.release_openmp_threads)
+        release_openmp_threads()
         self._views = views
         # jobs go to slots here, under this lock: the queue in arrival order, the free slots
         # in the order they were freed, the job handed to each slot until it takes it
@@ -198,6 +201,8 @@ class Worker:
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=30)
+        if self.idle is not None:   # a timing paused mid-way holds a context of the model
+            self.idle.close()
 
     # ---- the slots' threads -----------------------------------------------------------------
 

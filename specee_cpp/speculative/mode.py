@@ -230,7 +230,7 @@ def deferred(llm, opts: SpecOptions) -> bool:
         and idle_costs(llm).pending()
 
 
-def idle_work(llm, mode, opts, log=None):
+def idle_costs_job(llm, mode, opts, log=None):
     """The measurement a command runs in its idle time for a run of ``mode`` with ``opts``
     (speculative/idle.py), or None where that run needs none."""
     if not isinstance(opts, SpecOptions) or not deferred(llm, opts):
