@@ -39,6 +39,18 @@ def test_truncated(tmp_path, tiny_llama, keep):
         read_gguf_info(p)
 
 
+def test_a_file_cut_anywhere_in_its_header_is_refused(tmp_path, tiny_llama):
+    """Every cut inside the key-values (the vocabulary's strings among them) and the tensor
+    list is one ModelFileError, never a struct or index error."""
+    data = tiny_llama.read_bytes()
+    tokens = data.index(b"tokenizer.ggml.tokens")
+    p = tmp_path / "cut.gguf"
+    for cut in [*range(8, tokens + 64), *range(tokens + 64, len(data) // 2, 97)]:
+        p.write_bytes(data[:cut])
+        with pytest.raises(ModelFileError, match="truncated|corrupt"):
+            read_gguf_info(p)
+
+
 def test_tokenizer_fingerprint(tiny_llama, tiny_qwen2, tiny_other_vocab):
     same = read_gguf_info(tiny_llama).tokenizer_fingerprint
     assert read_gguf_info(tiny_qwen2).tokenizer_fingerprint == same  # same vocab, other arch
