@@ -31,7 +31,7 @@ from ..errors import SpeceeError
 log = logging.getLogger("specee_cpp.server")
 
 END = object()          # the last item a job's event queue receives
-# seconds without a request after start before the cost measurement takes idle time
+# seconds without a request after start before the measurements take idle time
 IDLE_START_S = 30.0
 
 
@@ -236,11 +236,11 @@ class Worker:
             self._dispatch()
 
     def _next(self, slot: int, served: bool) -> Job | None:
-        """The job handed to ``slot`` (None: close). While it has none, the cost
-        measurement takes the idle time one timed sample at a time (a request that arrives
-        waits for the sample in flight only); before the first request only once none came
-        for IDLE_START_S, so a client that starts with the server gets its first answer at
-        once."""
+        """The job handed to ``slot`` (None: close). While it has none, what this
+        machine's timings still lack takes the idle time one timed sample at a time (a
+        request that arrives waits for the sample in flight only); before the first request
+        only once none came for IDLE_START_S, so a client that starts with the server gets
+        its first answer at once."""
         def handed() -> bool:
             return slot in self._handed or self._closing
 
