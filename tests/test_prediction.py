@@ -66,6 +66,26 @@ def test_rates_are_learned_per_answer():
     assert p.rate(1) > run
 
 
+def test_a_token_is_priced_by_how_far_into_a_run_it_comes():
+    """A run's first tokens break far more often than its later ones (an edit's changes
+    cluster): each drafted token takes the rate of the run length it will come at, and a
+    round's outcome is learned in those bands."""
+    from specee_cpp.config import PREDICTION_BANDS
+
+    deep = PREDICTION_BANDS[2]
+    p = Prediction(PRED)
+    p.observe(PRED[:deep - 2])                 # two tokens short of the deepest band
+    toks, probs = p.continuation(4)
+    assert toks == PRED[deep - 2:deep + 2]
+    assert list(probs) == pytest.approx([p.rate(1)] * 2 + [p.rate(2)] * 2)
+    assert p.rate(2) > p.rate(1) > p.rate(0)
+    before = [list(b) for b in p.beta]
+    p.learn(4, 3)                              # kept 2 in band 1, then 1 kept, 1 broken in 2
+    assert p.beta[1] == [before[1][0] + 2, before[1][1]]
+    assert p.beta[2] == [before[2][0] + 1, before[2][1] + 1]
+    assert p.beta[0] == before[0]
+
+
 # an edit's original where one token (50) recurs: a rename changes it everywhere
 REN = [10, 11, 12, 50, 13, 14, 15, 16, 50, 17, 18, 19, 20, 50, 21, 22, 23, 24]
 

@@ -7,9 +7,10 @@ divergence (an edit inserts, deletes or changes tokens) nothing is drafted from 
 output rejoins it: its last PREDICTION_GRAM tokens found in the prediction near the point
 it left (the first such place, since an edit moves forward through the text), or its last
 PREDICTION_FAR_GRAM tokens anywhere (a moved block). How often a drafted token is right is
-learned per answer, apart for a token just after a (re)join and one inside a run the output
-has followed, so an unrelated prediction, whose chance rejoins break at once, soon stops
-drafting.
+learned per answer, apart by how far into a run of the prediction the output will be when it
+comes (PREDICTION_BANDS): a token just after a (re)join breaks often, one deep in an edit's
+unchanged stretch hardly ever, so a long run is drafted long, and an unrelated prediction,
+whose chance rejoins break at once, soon stops drafting.
 
 An edit repeats itself: a renamed variable is renamed wherever it occurs. Where the output
 left the prediction and rejoined it, having put a few tokens in place of a short span of it
@@ -25,9 +26,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..config import (PREDICTION_FAR_GRAM, PREDICTION_GRAM, PREDICTION_NEAR,
-                      PREDICTION_PRIOR_JOIN, PREDICTION_PRIOR_RUN, PREDICTION_REPLACEMENT,
-                      PREDICTION_ROW_COST, PREDICTION_RUN, PREDICTION_SPAN)
+from ..config import (PREDICTION_BANDS, PREDICTION_FAR_GRAM, PREDICTION_GRAM,
+                      PREDICTION_NEAR, PREDICTION_PRIORS, PREDICTION_REPLACEMENT,
+                      PREDICTION_ROW_COST, PREDICTION_SPAN)
 
 
 class Prediction:
@@ -41,9 +42,9 @@ class Prediction:
         self._near = self._index(PREDICTION_GRAM)
         self._far = self._index(PREDICTION_FAR_GRAM)
         self._last: list[int] = []
-        # per band (0: just joined, 1: inside a run): [kept, broken] drafted tokens
-        self.beta = [list(PREDICTION_PRIOR_JOIN), list(PREDICTION_PRIOR_RUN)]
-        self._band = 0
+        # per band of run length (PREDICTION_BANDS): [kept, broken] drafted tokens
+        self.beta = [list(prior) for prior in PREDICTION_PRIORS]
+        self._run0 = 0   # the run length where the last continuation began
         # the edit's substitutions: a span of the prediction -> [its replacement, times the
         # output made it, times it kept the original instead]; by the span's first token
         self.subs: dict[tuple, list] = {}
@@ -160,6 +161,11 @@ class Prediction:
                 return next((p for p in far if p >= self.left), far[0]), PREDICTION_FAR_GRAM
         return None, 0
 
+    @staticmethod
+    def band(run: int) -> int:
+        """The band of a token that comes ``run`` tokens into a run of the prediction."""
+        return sum(run >= start for start in PREDICTION_BANDS[1:])
+
     def rate(self, band: int) -> float:
         kept, broken = self.beta[band]
         return kept / (kept + broken)
@@ -185,22 +191,15 @@ class Prediction:
             else:
                 break
         toks = toks[:n]
-        self._band = int(self.run >= PREDICTION_RUN)
-        p = np.full(len(toks), self.rate(1))
-        if len(p):
-            p[0] = self.rate(self._band)
-        return toks, p
+        self._run0 = self.run
+        return toks, np.array([self.rate(self.band(self.run + i)) for i in range(len(toks))])
 
     def learn(self, n_drafted: int, n_accept: int) -> None:
-        """A round drafted ``n_drafted`` of its tokens, ``n_accept`` of them accepted."""
-        if not n_drafted:
-            return
-        first = self.beta[self._band]
-        first[0 if n_accept else 1] += 1
-        if n_drafted > 1 and n_accept:
-            rest = self.beta[1]
-            rest[0] += n_accept - 1
-            rest[1] += n_accept < n_drafted
+        """A round drafted ``n_drafted`` tokens of the last continuation, ``n_accept`` of
+        them accepted: each accepted token a success in its band, the first rejected one a
+        failure in its, the rest unobserved."""
+        for i in range(min(n_accept + 1, n_drafted)):
+            self.beta[self.band(self._run0 + i)][0 if i < n_accept else 1] += 1
 
 
 def assumed_costs():
