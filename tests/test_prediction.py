@@ -86,6 +86,24 @@ def test_a_token_is_priced_by_how_far_into_a_run_it_comes():
     assert p.beta[0] == before[0]
 
 
+def test_a_draft_never_outgrows_an_exact_verification(monkeypatch):
+    """However long the caller's limit and however cheap the rows, a free draft stops at
+    follow_max: a verification of more rows than MAX_FREE_VERIFY is not computed as
+    one-token decodes are, and greedy output would no longer be plain's."""
+    from specee_cpp.config import MAX_FREE_VERIFY
+    from specee_cpp.speculative import context_drafter
+    from specee_cpp.speculative.context_drafter import ContextSource
+
+    flat = CostModel(target_batch_s=[1.0] * 16, draft_token_s=1.0, plain_token_s=1.0,
+                     long_sizes=[MAX_FREE_VERIFY], long_batch_s=[1.0])
+    monkeypatch.setattr(context_drafter, "assumed_costs", lambda: flat)
+    src = ContextSource(None, prediction=Prediction(PRED), follow_max=MAX_FREE_VERIFY - 1,
+                        is_eog=lambda t: False)
+    assert src.plan(1, room=200) == PRED[:MAX_FREE_VERIFY - 1]
+    assert src.plan(1, room=5) == PRED[:5]
+    assert len(src.plan(1)) == MAX_FREE_VERIFY - 1
+
+
 # an edit's original where one token (50) recurs: a rename changes it everywhere
 REN = [10, 11, 12, 50, 13, 14, 15, 16, 50, 17, 18, 19, 20, 50, 21, 22, 23, 24]
 

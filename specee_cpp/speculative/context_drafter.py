@@ -409,8 +409,10 @@ class ContextSource:
     def plan(self, n_context: int, room: int | None = None) -> list[int]:
         """This round's free draft for a cache of ``n_context`` tokens, at most ``room``
         tokens (the caller's limit); empty: plain decoding pays more."""
+        # never past follow_max, whatever the caller's limit: a verification of more rows
+        # than MAX_FREE_VERIFY is not computed as one-token decodes are (docs/kernels.md)
+        room = self.follow_max if room is None else min(room, self.follow_max)
         if self.table is None:   # the prediction alone, at prices safe on any machine
-            room = self.follow_max if room is None else room
             costs = assumed_costs()
             pred, tps = self._from_prediction(costs, room)
             self.expected_tps, self._src = (tps, 2) if pred else (1.0 / costs.plain, 0)
@@ -423,7 +425,6 @@ class ContextSource:
             # plain steps slow down as the cache grows; until one is seen at this length the
             # guard compares short drafts with the table's plain token here, not at 128
             self.guard.plain_prior = self.expected_tps
-        room = self.follow_max if room is None else room
         if room < 1:
             return []
         self._short = False
