@@ -85,12 +85,6 @@ class _Reader:
     def string(self) -> str:
         return self.raw(self.unpack("<Q")).decode("utf-8", errors="replace")
 
-    def skip_string(self) -> None:
-        n = self.unpack("<Q")
-        self.pos += n
-        if self.pos > len(self.buf):
-            raise self.truncated()
-
     def skip_strings(self, count: int) -> None:
         """``count`` strings in a row: a vocabulary's 150k tokens or merges, in one loop
         (a call per string took a third of a large vocabulary's header time)."""
