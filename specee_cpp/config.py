@@ -93,8 +93,8 @@ PREDICTION_NEAR = 64       # tokens after the point left within which the short 
 # the prediction the output will be when it comes (PREDICTION_BANDS: where each band starts):
 # just (re)joined, 2 in 3 (a rejoin of an edit mostly holds; two breaks of a chance one stop
 # its drafts); 2-15 tokens in, 9 in 10; from 16 on, an edit's unchanged stretch, 199 in 200
-# (on the dev set's code edits such a run went on 0.996 of the time, against 0.93-0.96 for
-# runs of 1-7 tokens: an edit's changes cluster)
+# (fitted on the dev set's code edits, where a run's first tokens broke far more often than
+# its later ones: an edit's changes cluster)
 PREDICTION_BANDS = (0, 2, 16)
 PREDICTION_PRIORS = ((2.0, 1.0), (9.0, 1.0), (49.75, 0.25))
 # a substitution the output made in the prediction (a rename) and is drafted again where its
