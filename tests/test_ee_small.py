@@ -88,6 +88,17 @@ def test_threshold_one_reproduces_plain(bundle, small_llm):
         assert ee.stats.exit_layers == {}
 
 
+def test_measuring_exit_costs_leaves_no_cells_a_prompt_would_reuse(bundle, small_llm):
+    """The cost context shares a chat prompt's first tokens; cells read in its batch would
+    make the next answer's near ties go by the measurement, not by the prompt alone."""
+    from specee_cpp.early_exit.costs import measure
+
+    out, _ = bundle
+    small_llm.generate(PROMPTS[0], max_tokens=4)
+    measure(small_llm, Predictors.load(out), repeats=1)
+    assert small_llm.tgt.seq.tokens == []
+
+
 def test_every_exit_is_checked_so_the_output_is_plain_decoding(bundle, small_llm):
     """Exits at a threshold far looser than any quality target's (many of them wrong) are
     each checked at full depth before they are emitted: the output is plain greedy

@@ -126,8 +126,8 @@ def exit_costs(llm, pred) -> ExitCosts:
 def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) -> ExitCosts:
     """Time each part of an early-exit token against plain ones, interleaved round by round
     (a machine slowing down slows all alike), medians of ``repeats`` after a warm-up; the
-    caches are left holding the measured context (the next prefill keeps what it shares).
-    A staged token that fails half-way is undone by the caller's error path: none here."""
+    caches are left empty. A staged token that fails half-way is undone by the caller's error
+    path: none here."""
     from ..engine.timing import time_calls
     from .features import features
 
@@ -189,6 +189,12 @@ def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) 
         d_base = len(dft.tokens)
         calls["draft"] = (lambda: dft.feed([context[0]]), lambda: dft.rewind(d_base))
     med = time_calls(calls, repeats, warmup=1, clock=clock)
+    # emptied, not kept for the next prefill: the cost context shares the chat template's
+    # first tokens with a prompt, and cells read in its batch round otherwise than a fresh
+    # read of the prompt, so a near tie in the first answer would go by the measurement
+    seq.rewind(0)
+    if llm.draft_path is not None:
+        dft.rewind(0)
     return ExitCosts(plain_s=med["plain"], staged_s=med["staged"],
                      probe_s=max(med["probed"] - med["staged"], 0.0),
                      head_s=max(med["headed"] - med["probed"], 0.0),
