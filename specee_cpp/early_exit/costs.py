@@ -192,9 +192,7 @@ def measure(llm, pred, repeats: int = EE_COST_REPEATS, clock=time.perf_counter) 
     # emptied, not kept for the next prefill: the cost context shares the chat template's
     # first tokens with a prompt, and cells read in its batch round otherwise than a fresh
     # read of the prompt, so a near tie in the first answer would go by the measurement
-    seq.rewind(0)
-    if llm.draft_path is not None:
-        dft.rewind(0)
+    llm.reset()
     return ExitCosts(plain_s=med["plain"], staged_s=med["staged"],
                      probe_s=max(med["probed"] - med["staged"], 0.0),
                      head_s=max(med["headed"] - med["probed"], 0.0),
