@@ -158,6 +158,19 @@ def test_cost_model_records_its_machine(tmp_path, monkeypatch):
     assert keys[0].key != keys[4608].key
 
 
+def test_measuring_the_table_leaves_no_cells_a_prompt_would_reuse(tmp_path, monkeypatch):
+    """The cost context shares a chat prompt's first tokens; cells read in its batches would
+    make the next answer's near ties go by the measurement, not by the prompt alone."""
+    monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
+    t = write_tiny_model(tmp_path / "t.gguf", seed=1)
+    d = write_tiny_model(tmp_path / "d.gguf", seed=2)
+    with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
+        llm.generate("hello", max_tokens=2, mode="plain")
+        assert llm.tgt.seq.tokens
+        cost_model(llm)
+        assert llm.tgt.seq.tokens == [] and llm.dft.seq.tokens == []
+
+
 class _Clocked:
     """A sequence whose decodes advance a fake clock: a batch of n costs ``cost(n)`` plain
     tokens, times the machine's current slowness (``drift``, by the clock)."""

@@ -196,6 +196,11 @@ def cost_model(llm, progress=None):
             state: dict = {}
             run_steps(steady_table_steps(llm.tgt.seq, llm.dft.seq, prompt, state,
                                          drafting_margin, progress=progress))
+            # emptied, not kept for the next prefill: the cost context shares the chat
+            # template's first tokens with a prompt, and cells read in its batches round
+            # otherwise than a fresh read, so a near tie in the next answer would go by
+            # the measurement, not by the prompt
+            llm.reset()
             return replace(table_from(state), machine=where, draft_flash_attn=fa,
                            draft_attention=seen)
 
