@@ -104,6 +104,45 @@ def test_a_draft_never_outgrows_an_exact_verification(monkeypatch):
     assert len(src.plan(1)) == MAX_FREE_VERIFY - 1
 
 
+def test_draft_model_tokens_that_rejoin_the_prediction_bring_its_continuation():
+    p = Prediction(PRED)
+    p.observe(PRED[:20])
+    assert p.rejoin_tail([120, 121], 3)[0] == []   # it follows the prediction: drafted as is
+    p.continuation(4)                              # a round drafted deep into a run...
+    p.observe([999])                               # ... which broke: left at 20
+    assert p.rejoin_tail([7], 3)[0] == []
+    assert p.rejoin_tail([121], 3)[0] == []        # (999, 121) is not the prediction's
+    toks, probs = p.rejoin_tail([121, 122], 3)
+    assert toks == [123, 124, 125]                 # priced as a rejoin of the output's own
+    assert list(probs) == pytest.approx([p.rate(p.band(i)) for i in range(3)])
+    assert p.at is None and p.continuation(2)[0] == []   # a draft is not the output
+    before = [list(b) for b in p.beta]
+    p.learn(3, 1)                                  # its tokens are learned as a rejoin's
+    assert p.beta[0] == [before[0][0] + 1, before[0][1] + 1] and p.beta[1:] == before[1:]
+
+
+def test_a_model_draft_that_rejoins_is_verified_with_the_prediction_after_it():
+    """Where verification rows are cheap the prediction's continuation rides on the draft
+    model's round, as far as it would be drafted from a rejoin and within the round's room;
+    where each row costs a plain token nothing is added."""
+    from specee_cpp.speculative.context_drafter import ContextSource
+
+    cheap = CostModel([1.0 + 0.05 * i for i in range(16)], 0.1, plain_token_s=1.0,
+                      long_sizes=[64], long_batch_s=[4.0])
+    dear = CostModel([1.0 + i for i in range(16)], 0.1, plain_token_s=1.0)
+    for costs, most in ((cheap, 63), (dear, 0)):
+        src = ContextSource(costs, prediction=Prediction(PRED), is_eog=lambda t: False)
+        src.extend([1, 2, 3])                      # the prompt
+        src.output_began(100)
+        src.extend([101, 999], emitted=True)       # left the prediction at 102
+        assert src.plan(6, room=100) == []         # nothing to copy, the prediction left
+        assert src.rejoin([103], 100) == []
+        tail = src.rejoin([103, 104], 100)
+        assert tail == PRED[5:5 + len(tail)] and 0 < len(tail) <= 61 if most else tail == []
+        if most:
+            assert src.rejoin([103, 104], 6) == PRED[5:9]   # the round's room holds
+
+
 # an edit's original where one token (50) recurs: a rename changes it everywhere
 REN = [10, 11, 12, 50, 13, 14, 15, 16, 50, 17, 18, 19, 20, 50, 21, 22, 23, 24]
 
@@ -242,6 +281,10 @@ def test_greedy_output_with_a_prediction_equals_plain(pair, plain, kind):
             assert (accepted_usage, rejected_usage) == (N, 0)
         elif kind == "partly":
             assert accepted >= 0.45 * N, (name, res.stats.by_source)   # ~6 tokens a rejoin
+            if name == "spec-2":
+                # the draft model's tokens that rejoin the prediction are verified with its
+                # continuation in the same batch
+                assert "model+prediction" in res.stats.by_source, res.stats.by_source
             assert rejected_usage == len(pred) - accepted_usage > 0
         elif kind == "renamed":
             # drafted through the renamed token (without: 4-16 accepted)

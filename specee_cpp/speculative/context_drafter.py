@@ -406,6 +406,31 @@ class ContextSource:
         g, tps = best_prefix(1.0 + np.cumsum(np.cumprod(p[:len(tokens)])), costs)
         return tokens[:g], tps
 
+    def rejoin(self, drafted: list[int], room: int) -> list[int]:
+        """Tokens to verify after ``drafted`` (this round's draft model tokens) where they
+        would bring the output back to the prediction it left: its continuation from there,
+        as far as the prediction would draft it had the output rejoined it (empty: they
+        would not rejoin it, or drafting it cannot pay). One verification then covers an
+        edit's new text and the unchanged text after it, which otherwise take a round each
+        (dev code edits on a 2-core AMX Xeon, with the prediction: 1.09x spec-auto with
+        this, 1.04x without; the whole continuation added instead, 0.97x: the draft
+        model's new text is rejected often enough that so many rows are mostly lost)."""
+        if self.prediction is None:
+            return []
+        tokens, p = self.prediction.rejoin_tail(drafted,
+                                                min(room, self.follow_max) - len(drafted))
+        tokens = self.to_end(tokens)
+        if not tokens:
+            return []
+        if self.table is None:   # priced as the prediction's own drafts are (plan)
+            costs = assumed_costs()
+        elif self.verify_scale is None:
+            costs = self._at
+        else:
+            costs = self.verify_scale.apply(self._at)
+        g, _ = best_prefix(1.0 + np.cumsum(np.cumprod(p[:len(tokens)])), costs)
+        return tokens[:g]
+
     def plan(self, n_context: int, room: int | None = None) -> list[int]:
         """This round's free draft for a cache of ``n_context`` tokens, at most ``room``
         tokens (the caller's limit); empty: plain decoding pays more."""
@@ -465,6 +490,11 @@ class ContextSource:
                 self.correction.observe(self._predicted, n_accept)
             if self.guard is not None and self._short and seconds > 0:
                 self.guard.observe(n_drafted, n_accept + 1, seconds)
+
+    def rejoined(self, n_drafted: int, n_accept: int) -> None:
+        """A round verified ``n_drafted`` tokens of the prediction after the draft model's
+        tokens (``rejoin``), all of which were accepted, and ``n_accept`` of these."""
+        self.prediction.learn(n_drafted, n_accept)
 
     def plain_step(self, seconds: float) -> None:
         """A plain decoding step took ``seconds`` (what short drafts must beat)."""

@@ -122,6 +122,9 @@ class Round:
     free_source: str          # who proposed ``free`` (the context drafter's ``source``)
     g_max: int                # most tokens the draft model may draft (0 with a free draft)
     ph: Phases = field(default_factory=Phases)
+    room: int | None = None   # most tokens the round may draft (None: no caller's limit)
+    tail: int = 0             # the draft's last tokens that are the prediction's, where the
+    # draft model's tokens rejoined it (ContextSource.rejoin)
     draft: list[int] = field(default_factory=list)
     q: list = field(default_factory=list)         # the distributions drafts were drawn from
     conf: list[tuple[float, float]] = field(default_factory=list)   # (top-1, entropy) each
@@ -132,7 +135,9 @@ class Round:
 
     @property
     def source(self) -> str | None:
-        return None if not self.draft else self.free_source if self.free else "model"
+        if not self.draft:
+            return None
+        return self.free_source if self.free else "model+prediction" if self.tail else "model"
 
     def timings(self) -> dict[str, float]:
         # a plain step may follow a draft whose first token was dropped (g_max > 0)
@@ -207,7 +212,8 @@ class SpecLoop:
                 free = []
             if room is not None:
                 g_max = min(g_max, room)
-        return Round(base, behind, free, self.context.source if free else "", g_max, ph)
+        return Round(base, behind, free, self.context.source if free else "", g_max, ph,
+                     room)
 
     def draft(self, r: Round, token: int) -> None:
         """Fill ``r.draft``: the free draft, or the draft model's tokens one at a time while
@@ -243,13 +249,28 @@ class SpecLoop:
                 tok, dist = (tok, None) if tok is not None else self.choose(dft, lg)
                 r.draft.append(tok)
                 r.q.append(dist)
-                if i == r.g_max - 1 or (self.is_eog is not None and self.is_eog(tok)):
+                if self.is_eog is not None and self.is_eog(tok):
+                    return
+                if self.context is not None and self.verifier is None and self._rejoin(r):
+                    return
+                if i == r.g_max - 1:
                     return
                 with ph("control"):
                     more = policy.more(i)
                 if not more:
                     return
                 dft.decode([tok])
+
+    def _rejoin(self, r: Round) -> bool:
+        """Whether the draft model's tokens so far bring the output back to the prediction
+        it left, the prediction's continuation then added to the draft (``r.tail``)."""
+        with r.ph("control"):
+            room = self.context.follow_max if r.room is None else r.room
+            tail = self.context.rejoin(r.draft, room)
+        r.draft += tail
+        r.q += [None if self.greedy else one_hot(t, self.tgt) for t in tail]
+        r.tail = len(tail)
+        return bool(tail)
 
     def verify(self, r: Round, token: int) -> None:
         """The target scores ``token`` and the drafted tokens in one batch; the longest
@@ -295,7 +316,14 @@ class SpecLoop:
                     rows, verify_s = len(r.draft) + 1, r.ph.seconds["verify"]
                 elif not r.draft and ctx is None:
                     rows, verify_s = 1, r.ph.seconds["decode"]
-                policy.update(Outcome(len(r.draft), r.n_acc, [c[0] for c in r.conf],
+                # the draft model's part of a round that ended in the prediction: its
+                # tokens, and the round's seconds less the prediction rows' share
+                k = len(r.draft) - r.tail
+                if r.tail:
+                    if r.n_acc >= k:
+                        ctx.rejoined(r.tail, r.n_acc - k)
+                    round_s -= verify_s * r.tail / rows
+                policy.update(Outcome(k, min(r.n_acc, k), [c[0] for c in r.conf],
                                       [c[1] for c in r.conf], round_s, tried=r.g_max > 0,
                                       catch_up=r.ph.seconds.get("catch_up", 0.0),
                                       behind=r.behind,
@@ -332,10 +360,12 @@ def generate_spec(tgt: Sequence, dft: Sequence | None, prompt: list[int],
         loop.draft(r, token)
         loop.verify(r, token)
         loop.learn(r)
-        if trace is not None and r.source == "model":
-            trace({"gamma": len(r.draft), "draft_top1": [round(c[0], 5) for c in r.conf],
-                   "draft_entropy": [round(c[1], 5) for c in r.conf], "n_accept": r.n_acc,
-                   "t_draft": r.ph.seconds["draft"], "t_verify": r.ph.seconds["verify"]})
+        if trace is not None and r.draft and not r.free:
+            k = len(r.draft) - r.tail   # the draft model's tokens
+            trace({"gamma": k, "draft_top1": [round(c[0], 5) for c in r.conf],
+                   "draft_entropy": [round(c[1], 5) for c in r.conf],
+                   "n_accept": min(r.n_acc, k), "t_draft": r.ph.seconds["draft"],
+                   "t_verify": r.ph.seconds["verify"]})
         n_out += r.n_acc + 1
         for tok in r.draft[:r.n_acc]:
             yield Step(token=tok, exit_layer=r.exit_layer, drafted=True)

@@ -148,15 +148,16 @@ class Prediction:
             return span, replacement
         return None
 
-    def _rejoin(self) -> tuple[int | None, int]:
-        """(where the output rejoins the prediction, the length of the gram it rejoined on);
-        (None, 0): not yet."""
-        near = self._near.get(tuple(self._last[-PREDICTION_GRAM:]), ())
+    def _rejoin(self, last: list[int] | None = None) -> tuple[int | None, int]:
+        """(where an output ending in ``last``, default its last tokens, rejoins the
+        prediction, the length of the gram it rejoined on); (None, 0): not yet."""
+        last = self._last if last is None else last[-PREDICTION_FAR_GRAM:]
+        near = self._near.get(tuple(last[-PREDICTION_GRAM:]), ())
         for p in near:
             if self.left <= p <= self.left + PREDICTION_NEAR:
                 return p, PREDICTION_GRAM
-        if len(self._last) == PREDICTION_FAR_GRAM:
-            far = self._far.get(tuple(self._last), ())
+        if len(last) == PREDICTION_FAR_GRAM:
+            far = self._far.get(tuple(last), ())
             if far:
                 return next((p for p in far if p >= self.left), far[0]), PREDICTION_FAR_GRAM
         return None, 0
@@ -175,9 +176,30 @@ class Prediction:
         it) and, per token, the probability that it is right if the ones before were."""
         if self.at is None or n < 1:
             return [], np.zeros(0)
+        toks = self._ahead(self.at, self._in, n)
+        self._run0 = self.run
+        return toks, np.array([self.rate(self.band(self.run + i)) for i in range(len(toks))])
+
+    def rejoin_tail(self, drafted: list[int], n: int) -> tuple[list[int], np.ndarray]:
+        """Where the output has left the prediction and ``drafted`` tokens (the draft model's,
+        not emitted yet) would bring it back: up to ``n`` tokens the prediction says follow
+        them, and per token the probability that it is right if the ones before were, as
+        for a rejoin of the output itself (empty: the output follows the prediction, or
+        ``drafted`` would not rejoin it on its last token)."""
+        if self.at is not None or not drafted or n < 1:
+            return [], np.zeros(0)
+        at, _ = self._rejoin(self._last + list(drafted))
+        if at is None:
+            return [], np.zeros(0)
+        toks = self._ahead(at, None, n)
+        self._run0 = 0
+        return toks, np.array([self.rate(self.band(i)) for i in range(len(toks))])
+
+    def _ahead(self, i: int, inside: tuple[tuple, int] | None, n: int) -> list[int]:
+        """Up to ``n`` tokens of the prediction from index ``i`` (inside substitution
+        ``inside`` where given), learned substitutions made."""
         toks: list[int] = []
-        i, inside = self.at, self._in
-        while len(toks) < n:   # the prediction from here, learned substitutions made
+        while len(toks) < n:
             if inside is None and i < len(self.tokens):
                 span = self._span_at(i)
                 inside = (span, 0) if span is not None else None
@@ -190,9 +212,7 @@ class Prediction:
                 i += 1
             else:
                 break
-        toks = toks[:n]
-        self._run0 = self.run
-        return toks, np.array([self.rate(self.band(self.run + i)) for i in range(len(toks))])
+        return toks[:n]
 
     def learn(self, n_drafted: int, n_accept: int) -> None:
         """A round drafted ``n_drafted`` tokens of the last continuation, ``n_accept`` of
