@@ -226,6 +226,7 @@ class ContextSource:
         # plain steps between them
         self.verify_scale = verify_scale
         self._at = None               # the table's costs at the last plan's context
+        self._priced = None           # the costs the last plan priced its drafts with
         # the copy model's short drafts checked against this answer's rounds: accepted over
         # predicted tokens, shrunk towards 1 by COPY_PRIOR rounds as predicted, scales the
         # first token's acceptance (``accept_probs``). The nets are fitted on chat answers
@@ -399,14 +400,19 @@ class ContextSource:
         second (empty: the output is not in the prediction, or drafting it cannot pay)."""
         if self.prediction is None:
             return [], 0.0
-        tokens, p = self.prediction.continuation(room)
+        return self._paying(*self.prediction.continuation(room), costs)
+
+    def _paying(self, tokens: list[int], p: np.ndarray, costs) -> tuple[list[int], float]:
+        """The prefix of the prediction's ``tokens`` (each right with probability ``p`` if
+        the ones before were) that maximises expected tokens per second under ``costs``,
+        to the first end of generation, with that rate (empty: none pays)."""
         tokens = self.to_end(tokens)   # a prediction given as token ids may hold the end
         if not tokens:
             return [], 0.0
         g, tps = best_prefix(1.0 + np.cumsum(np.cumprod(p[:len(tokens)])), costs)
         return tokens[:g], tps
 
-    def rejoin(self, drafted: list[int], room: int) -> list[int]:
+    def rejoin(self, drafted: list[int], room: int | None = None) -> list[int]:
         """Tokens to verify after ``drafted`` (this round's draft model tokens) where they
         would bring the output back to the prediction it left: its continuation from there,
         as far as the prediction would draft it had the output rejoined it (empty: they
@@ -415,21 +421,11 @@ class ContextSource:
         (dev code edits on a 2-core AMX Xeon, with the prediction: 1.09x spec-auto with
         this, 1.04x without; the whole continuation added instead, 0.97x: the draft
         model's new text is rejected often enough that so many rows are mostly lost)."""
-        if self.prediction is None:
+        if self.prediction is None or self._priced is None:
             return []
-        tokens, p = self.prediction.rejoin_tail(drafted,
-                                                min(room, self.follow_max) - len(drafted))
-        tokens = self.to_end(tokens)
-        if not tokens:
-            return []
-        if self.table is None:   # priced as the prediction's own drafts are (plan)
-            costs = assumed_costs()
-        elif self.verify_scale is None:
-            costs = self._at
-        else:
-            costs = self.verify_scale.apply(self._at)
-        g, _ = best_prefix(1.0 + np.cumsum(np.cumprod(p[:len(tokens)])), costs)
-        return tokens[:g]
+        room = self.follow_max if room is None else min(room, self.follow_max)
+        tail, p = self.prediction.rejoin_tail(drafted, room - len(drafted))
+        return self._paying(tail, p, self._priced)[0]   # priced as this round's plan
 
     def plan(self, n_context: int, room: int | None = None) -> list[int]:
         """This round's free draft for a cache of ``n_context`` tokens, at most ``room``
@@ -438,13 +434,14 @@ class ContextSource:
         # than MAX_FREE_VERIFY is not computed as one-token decodes are (docs/kernels.md)
         room = self.follow_max if room is None else min(room, self.follow_max)
         if self.table is None:   # the prediction alone, at prices safe on any machine
-            costs = assumed_costs()
+            costs = self._priced = assumed_costs()
             pred, tps = self._from_prediction(costs, room)
             self.expected_tps, self._src = (tps, 2) if pred else (1.0 / costs.plain, 0)
             return pred
         costs = self._at = self.table.at(n_context)
         if self.verify_scale is not None:
             costs = self.verify_scale.apply(costs)
+        self._priced = costs
         self.expected_tps = 1.0 / costs.plain
         if self.guard is not None:
             # plain steps slow down as the cache grows; until one is seen at this length the

@@ -265,8 +265,7 @@ class SpecLoop:
         """Whether the draft model's tokens so far bring the output back to the prediction
         it left, the prediction's continuation then added to the draft (``r.tail``)."""
         with r.ph("control"):
-            room = self.context.follow_max if r.room is None else r.room
-            tail = self.context.rejoin(r.draft, room)
+            tail = self.context.rejoin(r.draft, r.room)
         r.draft += tail
         r.q += [None if self.greedy else one_hot(t, self.tgt) for t in tail]
         r.tail = len(tail)
