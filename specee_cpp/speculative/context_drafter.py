@@ -417,10 +417,9 @@ class ContextSource:
         would bring the output back to the prediction it left: its continuation from there,
         as far as the prediction would draft it had the output rejoined it (empty: they
         would not rejoin it, or drafting it cannot pay). One verification then covers an
-        edit's new text and the unchanged text after it, which otherwise take a round each
-        (dev code edits on a 2-core AMX Xeon, with the prediction: 1.09x spec-auto with
-        this, 1.04x without; the whole continuation added instead, 0.97x: the draft
-        model's new text is rejected often enough that so many rows are mostly lost)."""
+        edit's new text and the unchanged text after it, which otherwise take a round each.
+        Not the whole continuation: on dev code edits that lost, the draft model's new
+        text being rejected often enough that so many rows are mostly wasted."""
         if self.prediction is None or self._priced is None:
             return []
         room = self.follow_max if room is None else min(room, self.follow_max)
