@@ -75,6 +75,22 @@ def test_generate_text_streams_and_reports_speed(small_model):
     assert "tok/s" in r.stderr
 
 
+def test_generate_says_how_to_measure_what_it_drafts_without(small_model, tmp_path):
+    # one answer has no idle time: the costs a draft model needs are never measured by
+    # generate itself, so it says which command measures them; plain decoding needs none
+    env = dict(ENV, SPECEE_CPP_HOME=str(tmp_path / "home"))
+    r = subprocess.run(CLI + ["generate", str(small_model), "--draft", str(small_model), "-p",
+                              "Say hello.", "-n", "8"], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    hint = " ".join(r.stderr.split())
+    assert f"`specee-cpp costs {small_model} --draft {small_model}` measures them" in hint, hint
+    assert hint.index("tok/s") < hint.index("specee-cpp costs")   # after the answer's stats
+    r = subprocess.run(CLI + ["generate", str(small_model), "-p", "Say hello.", "-n", "8"],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0 and "specee-cpp costs" not in r.stderr, r.stderr
+
+
 def test_generate_and_chat_with_a_prediction(small_model, tmp_path):
     assert_one_line_error(run("generate", small_model, "-p", "hi", "--prediction",
                               tmp_path / "missing.txt"), "cannot read --prediction")

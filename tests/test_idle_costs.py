@@ -132,6 +132,13 @@ def test_runs_answer_at_once_and_draft_once_measured_in_idle_time(pair, small_mo
         again = other.generate("def add(a, b):", chat=False, max_tokens=16, mode="spec",
                                options=opts)
         assert "measured while idle" not in again.stats.note   # said once
+    # a run that finds the table there at its start measured nothing: it says nothing of it
+    with LLM(small_model, draft=small_model, config=LoadConfig(n_ctx=512, n_threads=2)) as third:
+        third.defer_costs = True
+        assert idle_costs_job(third, "spec", opts) is None
+        res = third.generate("def add(a, b):", chat=False, max_tokens=16, mode="spec",
+                             options=opts)
+        assert res.tokens == plain.tokens and "idle" not in res.stats.note
     pair.defer_costs = False
 
 

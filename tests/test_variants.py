@@ -29,6 +29,7 @@ ZEN5 = [1.0, 1.31, 1.42, 1.57, 1.93, 2.12, 2.36, 2.60, 3.0]    # measured there,
 @pytest.fixture
 def auto_llm(small_model, tmp_path, monkeypatch):
     monkeypatch.setattr(variants, "record_path", lambda sha: tmp_path / "variants.json")
+    monkeypatch.setattr(variants, "choice_path", lambda llm: tmp_path / "choice.json")
     llm = LLM(small_model, draft="smollm2-135m:auto", config=LoadConfig(n_ctx=512, n_threads=2))
     yield llm
     llm.close()
@@ -94,6 +95,28 @@ def test_flat_verification_picks_the_fastest_predicted_variant(auto_llm, small_m
     # and the chosen draft is what a speculative run loads and drafts with
     out = auto_llm.generate("The capital of France is", max_tokens=8, mode="spec", gamma=2)
     assert auto_llm.dft.model.path == auto_llm.draft_path and out.stats.n_drafted > 0
+
+
+def test_the_choice_is_kept_for_every_later_run_on_this_machine(auto_llm, small_model,
+                                                                tmp_path, monkeypatch):
+    """A choice made in the foreground (`specee-cpp costs`, bench, a script) is what a run
+    that does not wait for measurements (chat, generate, serve) finds: it drafts with it
+    instead of waiting for idle time to choose again."""
+    from specee_cpp.speculative.idle import IdleCosts
+
+    write_record(tmp_path, {"Q4_1": 0.7, "Q8_0": 0.7})
+    seen = []
+    fake_costs(monkeypatch, {"Q4_1": table(0.5, FLAT), "Q8_0": table(0.1, FLAT)}, seen,
+               ratios={"Q8_0": 0.2})
+    note = spec_mode.choose_variant(auto_llm)
+    n = len(seen)
+    with LLM(small_model, draft="smollm2-135m:auto",
+             config=LoadConfig(n_ctx=512, n_threads=2)) as later:
+        monkeypatch.setattr(spec_mode, "measured_costs", lambda llm: table(0.1, FLAT))
+        assert not IdleCosts(later).pending()       # nothing left to measure or choose
+        assert later.draft_path == auto_llm.draft_path
+        assert spec_mode.choose_variant(later) == f"{note} (chosen earlier on this machine)"
+    assert len(seen) == n   # neither timed nor screened again
 
 
 def test_a_cheaper_draft_that_loses_acceptance_can_lose(auto_llm, small_model, tmp_path,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import threading
 from contextlib import closing, contextmanager
@@ -49,6 +50,7 @@ def generate(
     from ..engine.llm import LLM
 
     from ..engine.steps import Transcript
+    from ..speculative.mode import idle_costs_job
 
     prompt = _prompt(prompt, prompt_file)
     predicted = _read_text(prediction, "--prediction") if prediction is not None else None
@@ -59,6 +61,8 @@ def generate(
     with LLM(model, draft=draft, config=_load_config(n_ctx, threads, gpu_layers)) as llm:
         llm.defer_costs = True   # one answer: no idle time to measure in; chat and serve have
         m.prepare(llm, opts, status=status_line)
+        # nothing else would ever measure them for a user of generate alone: say how
+        unmeasured = draft is not None and idle_costs_job(llm, m, opts) is not None
         done = Transcript()
         for step in llm.stream(prompt, max_tokens=max_tokens, sampling=sampling, chat=not raw,
                                mode=m, options=opts, prediction=predicted):
@@ -71,6 +75,17 @@ def generate(
         else:
             out.print()
             print_stats(done.stats, verbose)
+        if unmeasured:
+            err.print(f"[dim]({escape(unmeasured_hint(model, draft, threads))})[/dim]")
+
+
+def unmeasured_hint(model: str, draft: str | None, threads: int) -> str:
+    """What a run that drafts without this machine's costs says: how to measure them."""
+    command = " ".join(shlex.quote(a) for a in ["specee-cpp", "costs", model, "--draft", draft]
+                       + (["--threads", str(threads)] if threads else []))
+    return (f"this machine's draft/verify costs are not measured yet, so no draft model "
+            f"drafts: `{command}` measures them once (1.5-2 minutes on 2 cores); chat and "
+            f"serve measure them while idle")
 
 
 def _prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -78,6 +78,8 @@ class IdleCosts:
                 return True
         if measured_costs(self.llm) is not None:
             self.done = True
+            # found before this process measured anything: no note is to say it was
+            self.announced = self.announced or self._steps is None
             return False
         return True
 
@@ -108,8 +110,7 @@ class IdleCosts:
             self._steps = None
 
     def _work(self) -> Iterator[str]:
-        from .mode import estimated_costs, measured_costs, pair_state
-        from .variants import choose, remember_choice
+        from .mode import choose_variant, estimated_costs, measured_costs, pair_state
 
         llm = self.llm
         state = pair_state(llm)
@@ -121,8 +122,7 @@ class IdleCosts:
             # the variants are timed against the shipped draft in one slice (seconds each
             # where they exist; made first where not, once per machine)
             self.log(f"choosing this machine's variant of {llm.draft_auto}")
-            state.variant_note = choose(llm, llm.draft_auto, lambda text: _Quiet())
-            remember_choice(llm, state.variant_note)
+            choose_variant(llm, lambda text: _Quiet())
             yield "the draft variant"
             if measured_costs(llm) is None:   # the variant chosen has a table of its own
                 yield from self._table()

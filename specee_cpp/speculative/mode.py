@@ -329,13 +329,18 @@ def copy_model(llm):
 
 
 def choose_variant(llm, status=no_status) -> str:
-    """For ``--draft NAME:auto``: this machine's best variant of the draft, chosen once per
-    LLM (speculative/variants.py); returns the note saying which and why."""
-    from .variants import choose
+    """For ``--draft NAME:auto``: this machine's best variant of the draft
+    (speculative/variants.py), chosen once per machine and kept, since a run that does not
+    wait for measurements (chat, generate, serve) drafts only once it finds the choice;
+    returns the note saying which and why."""
+    from .variants import choose, remember_choice, remembered_choice
 
     state = pair_state(llm)
     if state.variant_note is None:
+        state.variant_note = remembered_choice(llm)
+    if state.variant_note is None:
         state.variant_note = choose(llm, llm.draft_auto, status)
+        remember_choice(llm, state.variant_note)
     return state.variant_note
 
 
