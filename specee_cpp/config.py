@@ -89,6 +89,14 @@ FOLLOW_HITS = 0.8          # the first guesses' recent hit rate a followed copy 
 PREDICTION_GRAM = 2        # output tokens that rejoin the prediction near where it left it
 PREDICTION_FAR_GRAM = 4    # ... and anywhere else in it (a short gram recurs by chance there)
 PREDICTION_NEAR = 64       # tokens after the point left within which the short gram is trusted
+# where the draft model's tokens rejoin the prediction, its continuation is verified with
+# them, as long as a rejoin of the output would be drafted; until the output has followed
+# the prediction this many tokens in a row, one other than right where it left (the
+# prediction's start, after a preamble such as a code fence) is priced as a rejoin's
+# first token throughout, a short tail: code shares short grams (indents, brackets,
+# keywords), and a prediction never followed that long may be unrelated text whose
+# chance rejoins add rows that break
+PREDICTION_TAIL_RUN = 12
 # a drafted prediction token is right (Beta prior: kept, broken), by how far into a run of
 # the prediction the output will be when it comes (PREDICTION_BANDS: where each band starts):
 # just (re)joined, 2 in 3 (a rejoin of an edit mostly holds; two breaks of a chance one stop

@@ -134,18 +134,40 @@ def test_a_model_draft_that_rejoins_is_verified_with_the_prediction_after_it():
         src = ContextSource(costs, prediction=Prediction(PRED), is_eog=lambda t: False)
         src.extend([1, 2, 3])                      # the prompt
         src.output_began(100)
-        src.extend([101, 999], emitted=True)       # left the prediction at 102
+        src.extend(PRED[1:20] + [999], emitted=True)   # left the prediction at 120
         assert src.plan(6, room=100) == []         # nothing to copy, the prediction left
-        assert src.rejoin([103], 100) == []
-        tail = src.rejoin([103, 104], 100)
-        assert tail == PRED[5:5 + len(tail)] and 0 < len(tail) <= 61 if most else tail == []
+        assert src.rejoin([121], 100) == []
+        tail = src.rejoin([121, 122], 100)
+        assert tail == PRED[23:23 + len(tail)] and 0 < len(tail) <= 61 if most else tail == []
         if most:
-            assert src.rejoin([103, 104], 6) == PRED[5:9]   # the round's room holds
+            assert src.rejoin([121, 122], 6) == PRED[23:27]   # the round's room holds
+
+
+def test_a_prediction_never_followed_for_long_adds_a_short_tail_to_a_model_draft():
+    """Code shares short grams, so the draft model's tokens meet an unrelated prediction by
+    chance: until the output has followed the prediction PREDICTION_TAIL_RUN tokens in a row,
+    a model draft that rejoins it elsewhere than where the output left it (its start, after
+    a preamble such as a code fence) brings a continuation priced as a rejoin's first token
+    throughout, so a short one."""
+    from specee_cpp.config import PREDICTION_TAIL_RUN
+
+    p = Prediction(PRED)
+    p.observe([7, 8])                                       # a preamble: not begun yet
+    bands = [p.rate(p.band(i)) for i in range(3)]
+    toks, probs = p.rejoin_tail([100, 101], 3)              # its start: the edit's text
+    assert toks == [102, 103, 104] and list(probs) == pytest.approx(bands)
+    toks, probs = p.rejoin_tail([105, 106], 3)              # a gram further in: maybe chance
+    assert toks == [107, 108, 109] and list(probs) == pytest.approx([p.rate(0)] * 3)
+    p.observe(PRED[:PREDICTION_TAIL_RUN - 1] + [999])       # followed one token short
+    assert list(p.rejoin_tail(PRED[12:14], 3)[1]) == pytest.approx([p.rate(0)] * 3)
+    p.observe(PRED[12:2 * PREDICTION_TAIL_RUN + 2] + [999])   # and now long enough
+    at = 2 * PREDICTION_TAIL_RUN + 3
+    toks, probs = p.rejoin_tail(PRED[at:at + 2], 3)
+    assert toks == PRED[at + 2:at + 5] and list(probs) == pytest.approx(bands)
 
 
 # an edit's original where one token (50) recurs: a rename changes it everywhere
 REN = [10, 11, 12, 50, 13, 14, 15, 16, 50, 17, 18, 19, 20, 50, 21, 22, 23, 24]
-
 
 def test_a_substitution_is_learned_and_drafted_where_its_span_recurs():
     p = Prediction(REN)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..config import (PREDICTION_BANDS, PREDICTION_FAR_GRAM, PREDICTION_GRAM,
                       PREDICTION_NEAR, PREDICTION_PRIORS, PREDICTION_REPLACEMENT,
-                      PREDICTION_ROW_COST, PREDICTION_SPAN)
+                      PREDICTION_ROW_COST, PREDICTION_SPAN, PREDICTION_TAIL_RUN)
 
 
 class Prediction:
@@ -39,6 +39,7 @@ class Prediction:
         self.at: int | None = 0 if self.tokens else None   # next expected token's index
         self.left = 0              # where the output last left the prediction (or started)
         self.run = 0               # output tokens in a row that followed it
+        self.longest = 0           # the longest such run so far
         self._near = self._index(PREDICTION_GRAM)
         self._far = self._index(PREDICTION_FAR_GRAM)
         self._last: list[int] = []
@@ -126,6 +127,7 @@ class Prediction:
                     self.left = self.at
                     self._detour = []
                 self.at, self.run = None, 0
+            self.longest = max(self.longest, self.run)
             self._last = (self._last + [t])[-PREDICTION_FAR_GRAM:]
             if self.at is None:
                 if self._detour is not None:
@@ -185,14 +187,20 @@ class Prediction:
         not emitted yet) would bring it back: up to ``n`` tokens the prediction says follow
         them, and per token the probability that it is right if the ones before were, as
         for a rejoin of the output itself (empty: the output follows the prediction, or
-        ``drafted`` would not rejoin it on its last token)."""
+        ``drafted`` would not rejoin it on its last token). Until the output has followed the
+        prediction PREDICTION_TAIL_RUN tokens in a row, a rejoin other than where it left
+        (the prediction's start, after a preamble such as a code fence) is priced as a
+        rejoin's first token throughout, so its tail is short: code shares short grams, and
+        an unrelated prediction's chance rejoins would add rows that break."""
         if self.at is not None or not drafted or n < 1:
             return [], np.zeros(0)
-        at, _ = self._rejoin(self._last + list(drafted))
+        at, gram = self._rejoin(self._last + list(drafted))
         if at is None:
             return [], np.zeros(0)
         toks = self._ahead(at, None, n)
         self._run0 = 0
+        if self.longest < PREDICTION_TAIL_RUN and at - gram != self.left:
+            return toks, np.full(len(toks), self.rate(0))
         return toks, np.array([self.rate(self.band(i)) for i in range(len(toks))])
 
     def _ahead(self, i: int, inside: tuple[tuple, int] | None, n: int) -> list[int]:
