@@ -69,6 +69,21 @@ def _library() -> tuple[str, str]:
     return feats, version.split("+specee.", 1)[1] if "+specee." in version else version
 
 
+@functools.lru_cache(maxsize=1)
+def code_id() -> str:
+    """A digest of this package's files (code and shipped bundles): records measured by
+    other code (an edit, another commit) are told apart from this code's, with or without
+    git."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                    and p.suffix != ".pyc"):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def machine(n_threads: int) -> dict:
     """The facts that decide a measurement's speed, as one small JSON-able dict."""
     feats, build = _library()

@@ -302,7 +302,7 @@ def test_torn_record_line_is_dropped(tmp_path):
 # ---- end to end on the small model with the real tools ----------------------------------
 
 @pytest.mark.model
-def test_bench_end_to_end(small_model, tmp_path):
+def test_bench_end_to_end(small_model, tmp_path, monkeypatch):
     from specee_cpp.bench.suite import BenchOptions, run
 
     f = _jsonl(tmp_path / "p.jsonl", [
@@ -347,6 +347,14 @@ def test_bench_end_to_end(small_model, tmp_path):
     # other settings on the same output are refused, not mixed in
     with pytest.raises(SpeceeError, match="other settings"):
         run(BenchOptions(**{**opts.__dict__, "max_tokens": 13}))
+    # and so are records another version of the code measured: a rerun after a change
+    # must not report the old code's figures as the new one's
+    from specee_cpp import provenance
+
+    monkeypatch.setattr(provenance, "code_id", lambda: "changed")
+    monkeypatch.setattr("specee_cpp.bench.suite.code_id", provenance.code_id)
+    with pytest.raises(SpeceeError, match="other settings.*'code'"):
+        run(opts)
 
 
 @pytest.mark.model

@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..config import N_CTX, LoadConfig
 from ..errors import SpeceeError
-from ..provenance import describe, machine
+from ..provenance import code_id, describe, machine
 from . import configs as configs_mod
 from . import prompts as prompts_mod
 from .report import markdown, summarize, write_json, write_png
@@ -51,11 +51,13 @@ class BenchOptions:
 
     def settings(self) -> dict:
         """What makes records comparable: a resumed run must use the same, on the same
-        machine and build (provenance.machine)."""
+        machine and build (provenance.machine) and with the same code (provenance.code_id:
+        a rerun after a change measures again rather than reporting the old records)."""
         keep = ("model", "draft", "prompts", "max_tokens", "max_prompt_tokens", "threads",
                 "gpu_layers", "turns", "categories")
         out = {k: v for k, v in asdict(self).items() if k in keep}
         out["machine"] = machine(LoadConfig(n_threads=self.threads).threads)
+        out["code"] = code_id()
         return out
 
 
