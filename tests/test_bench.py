@@ -349,10 +349,7 @@ def test_bench_end_to_end(small_model, tmp_path, monkeypatch):
         run(BenchOptions(**{**opts.__dict__, "max_tokens": 13}))
     # and so are records another version of the code measured: a rerun after a change
     # must not report the old code's figures as the new one's
-    from specee_cpp import provenance
-
-    monkeypatch.setattr(provenance, "code_id", lambda: "changed")
-    monkeypatch.setattr("specee_cpp.bench.suite.code_id", provenance.code_id)
+    monkeypatch.setattr("specee_cpp.bench.suite.code_id", lambda: "changed")
     with pytest.raises(SpeceeError, match="other settings.*'code'"):
         run(opts)
 
