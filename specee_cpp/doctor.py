@@ -33,7 +33,7 @@ def amx_state(system_info: str) -> str:
 # what each row-limit switch's kernels take, and the patches that make them
 ROW_SWITCHES = {
     "AMX_ROWS": "AMX, types without a multi-row kernel: row by row (0009)",
-    "AMX_FUSED_ROWS": "AMX, Q4_K/Q6_K: rows together (0010)",
+    "AMX_FUSED_ROWS": "AMX, Q4_K/Q6_K: one-token decodes and rows together (0010)",
     "REPACK_ROWS": "repacked Q4_K: rows together (0015; IQ4_NL/Q4_0 2-3 rows)",
     "Q6_K_ROWS": "Q6_K: each weight row against the rows (0016)",
     "ATTN_ROWS": "flash attention: one-token decodes and batches, each row as alone (0014)",
