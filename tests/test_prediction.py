@@ -169,6 +169,7 @@ def test_a_prediction_never_followed_for_long_adds_a_short_tail_to_a_model_draft
 # an edit's original where one token (50) recurs: a rename changes it everywhere
 REN = [10, 11, 12, 50, 13, 14, 15, 16, 50, 17, 18, 19, 20, 50, 21, 22, 23, 24]
 
+
 def test_a_substitution_is_learned_and_drafted_where_its_span_recurs():
     p = Prediction(REN)
     p.observe([10, 11, 12, 90, 91, 13, 14])    # 50 -> 90 91, rejoined on 13 14
