@@ -275,8 +275,9 @@ def test_every_policy_is_lossless(pair, model):
 
 @pytest.mark.model
 def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
-    """A guard that backed off in one generation still holds in the next (a chat's next
-    turn, a bench's next prompt), and only for the options it judged."""
+    """A guard lives from one generation to the next (a chat's next turn, a bench's next
+    prompt), one for each options it judged; a wait it was in when the last one ended is
+    dropped, so the next prompt is probed."""
     from specee_cpp.speculative.mode import SpecOptions, draft_policy, forget_costs, use_cost_model
 
     model.save(tmp_path / "ctl.npz")
@@ -295,11 +296,11 @@ def test_the_guard_lives_with_the_pair_and_its_options(pair, model, tmp_path):
     assert draft_policy(pair, raw).correction is None and draft_policy(pair, raw).plan() > 0
     free = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
     assert free.stats.n_drafted > 0
-    first.guard.wait = 10_000   # as after probes that kept losing
+    first.guard.wait, first.guard.losing = 10_000, True   # as after probes that kept losing
     pair.reset()
-    held = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
-    assert held.stats.n_drafted == 0 and held.tokens == free.tokens
-    assert pair.dft.seq.tokens == []   # held at plain: the draft never read the prompt
+    probed = pair.generate("def fib(n):", max_tokens=24, mode="spec", options=auto)
+    assert probed.stats.n_drafted > 0 and probed.tokens == free.tokens
+    assert draft_policy(pair, auto).guard is first.guard
     assert pair.generate("def fib(n):", max_tokens=24, mode="spec",
                          options=stop).stats.n_drafted > 0
     forget_costs(pair)
@@ -609,6 +610,27 @@ def test_a_losing_guard_probes_where_a_generation_starts_not_after_a_long_catch_
     assert plan(2) == 8                             # in step after the read: a probe
     pol.update(Outcome(8, 8, [0.99] * 8, [0.05] * 8, seconds=0.2, tried=True))
     assert not pol.guard.losing and plan(40) == 8   # probed: catch-ups priced as before
+
+
+def test_a_new_generation_drops_the_wait_a_kept_guard_left_but_not_its_verdict(pair, model,
+                                                                               tmp_path):
+    """The draft model's guard is kept with the pair from one generation to the next. A
+    wait left by a verdict near the end of one answer kept the next prompt unread, and the
+    draft, then far behind, was not probed for that whole answer (a code prompt after chat
+    ones that lost: plain, where alone it drafted at 1.6x plain). The verdict itself stays:
+    the new prompt is read and probed, and a losing probe waits the doubled backoff."""
+    from specee_cpp.speculative.mode import SpecOptions, draft_policy
+
+    model.save(tmp_path / "ctl.npz")
+    opts = SpecOptions(gamma="auto", controller=tmp_path / "ctl.npz")
+    last = draft_policy(pair, opts, costs=GPU)
+    g = last.guard
+    g.wait, g.losing, g.backoff = 30, True, 32      # a verdict near the end of an answer
+    nxt = draft_policy(pair, opts, costs=GPU)
+    assert nxt.guard is g                           # kept with the pair
+    assert (g.wait, g.losing, g.backoff) == (0, True, 32)
+    nxt.feats = [0.05, 0.1, 0.99, 0.97, 0.9, 4.85]  # the last round: 90% accepted
+    assert nxt.reads_prompt(RoundAt(39, 40, 60))    # read up front: the probe starts in step
 
 
 class Constant(LastRate):

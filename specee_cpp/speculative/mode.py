@@ -386,7 +386,8 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec", costs=None):
     bench's next prompt start from what the last generations learned, instead of paying
     again for the drafted rounds that teach a fresh guard that drafting loses here (in
     64-token answers that was most of the answer); so does the correction of the round model
-    (what its predicted acceptance came to on this pair). ``kind`` keeps apart the guards
+    (what its predicted acceptance came to on this pair). A wait left over is dropped
+    (``Guard.begin``): each prompt gets a probe. ``kind`` keeps apart the guards
     of modes that verify differently (spec-ee passes its own options). ``costs``: the table
     to price rounds with (None: this machine's, ``cost_model``)."""
     from .policies import CostAware, make_policy
@@ -405,6 +406,7 @@ def draft_policy(llm, opts: SpecOptions, kind: object = "spec", costs=None):
     state = pair_state(llm)
     if policy.guard is not None:
         policy.guard = PairState.get(state.guards, (kind, opts), lambda: policy.guard)
+        policy.guard.begin()
     if policy.correction is not None:
         # the bench's A/B options may turn the correction or the scale off
         # (bench.configs.SpecBenchOptions); a user's SpecOptions has neither switch
