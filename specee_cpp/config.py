@@ -150,11 +150,11 @@ SCREEN_CONTEXT = 128       # tokens cached before a variant's timed decodes (the
 SCREEN_TOKENS = 8          # draft decodes a timing sample
 SCREEN_REPEATS = 5         # samples a variant (the median is kept)
 HISTORY_MAX_TOKENS = 200_000   # the opt-in history store: ~800 KB, its trie ~0.5 s to build
-# the x86 kernels' weight read-ahead (engine/read_ahead.py): the distance tried (the best
-# on the Zen 3 it was written on), and the gain it must show over off to be kept, so that
-# noise does not turn on what a machine gains nothing from
+# the x86 kernels of a one-token decode (engine/decode_kernels.py): the read-ahead distance
+# tried (the best on the Zen 3 it was written on), and the gain a kernel switch must show
+# over off to be kept, so that noise does not turn on what a machine gains nothing from
 READ_AHEAD_BYTES = 4608
-READ_AHEAD_MARGIN = 0.02
+DECODE_KERNEL_MARGIN = 0.02
 # the row kernels on prompt batches (engine/prompt_kernels.py): the batch timed (above the
 # 64 rows of a verification, where the switches start off) and the gain ours must show
 PROMPT_KERNEL_ROWS = 128

@@ -70,26 +70,32 @@ def row_kernels(system_info: str, live) -> list[str]:
     return lines
 
 
-def prefetch_state(system_info: str, distance: int | None) -> str:
-    """Whether the x86 matmul kernels ask for the weights ahead (patch 0013), where that
-    came from, and what was measured on this machine (engine/read_ahead.py)."""
+DECODE_SWITCHES = {"READ_AHEAD": "weight read-ahead", "ONE_ROW": "one-row kernel"}
+
+
+def decode_kernel_state(system_info: str, name: str, value: int | None) -> str:
+    """Whether the one-token decode's x86 kernel switch ``name`` is on (``READ_AHEAD``: the
+    weights read ahead, patch 0013; ``ONE_ROW``: repacked Q4_K's rows kernel, 0015), where
+    that came from, and what was measured on this machine (engine/decode_kernels.py)."""
     if "AVX2 = 1" not in system_info:
         return "not used (no x86 AVX2 kernels in this build)"
-    if distance is None:
-        return "not in this build (patches 0013 and 0014 missing)"
-    if switch_set("READ_AHEAD") is not None:
-        return (f"{'off' if distance <= 0 else f'{distance} bytes ahead'}, set by hand "
-                f"({SWITCH_ENV.format('READ_AHEAD')}); unset it to use this machine's "
-                f"measurement")
-    from .engine.read_ahead import measured
+    if value is None:
+        return "not in this build (patches 0013-0015 missing)"
+    state = "off" if value <= 0 else f"{value} bytes ahead" if name == "READ_AHEAD" else "on"
+    if switch_set(name) is not None:
+        return (f"{state}, set by hand ({SWITCH_ENV.format(name)}); unset it to use this "
+                f"machine's measurement")
+    if name == "ONE_ROW" and "AMX_INT8 = 1" in system_info and not amx_switched_off():
+        return "not used: AMX decodes the Q4_K weights here"
+    from .engine.decode_kernels import measured
 
-    seen = measured()
+    seen = [m for m in measured() if m[1] == name]
     if not seen:
         return ("off until measured: the first load of a model on this machine (in chat and "
                 "a server of one request at a time, their first idle time) times it on and off "
                 "and keeps the faster")
-    return "; ".join(f"{name}: {'on' if on else 'off'} ({1e3 * t_on:.2f} ms a token with it, "
-                     f"{1e3 * t_off:.2f} ms without)" for name, on, t_on, t_off in seen)
+    return "; ".join(f"{model}: {'on' if on else 'off'} ({1e3 * t_on:.2f} ms a token with it, "
+                     f"{1e3 * t_off:.2f} ms without)" for model, _, on, t_on, t_off in seen)
 
 
 def slots_state() -> str:
@@ -122,8 +128,8 @@ def diagnose() -> tuple[list[tuple[str, str]], bool]:
             ("CPU features", info["system_info"]),
             ("AMX", amx_state(info["system_info"])),
             *(("row kernels", line) for line in row_kernels(info["system_info"], kernel_switch)),
-            ("weight read-ahead", prefetch_state(info["system_info"],
-                                                 kernel_switch("READ_AHEAD"))),
+            *((what, decode_kernel_state(info["system_info"], name, kernel_switch(name)))
+              for name, what in DECODE_SWITCHES.items()),
             ("huge pages", memory.describe()),
             ("server slots", slots_state()),
         ]

@@ -151,10 +151,10 @@ def test_chat_answers_before_the_costs_are_measured(small_model, tmp_path):
     assert "costs are not measured yet" in stderr, stderr
     before, after = stderr.split("costs are not measured yet", 1)
     assert "measuring this machine's draft/verify costs" in after, stderr   # after the reply
-    # nor for the weights' read-ahead: timed first in idle time, before any cost, and kept
-    assert "weight read-ahead" not in before and "weight read-ahead" in after, stderr
-    assert after.index("weight read-ahead") < after.index("estimating this machine's"), stderr
-    assert list((tmp_path / "home" / "costs").glob("read-ahead-*.json"))
+    # nor for the decode kernels: timed first in idle time, before any cost, and kept
+    assert "decode kernels for" not in before and "decode kernels for" in after, stderr
+    assert after.index("decode kernels for") < after.index("estimating this machine's"), stderr
+    assert list((tmp_path / "home" / "costs").glob("decode-kernels-*.json"))
 
 
 def test_models_and_doctor():

@@ -146,16 +146,20 @@ def test_cost_model_records_its_machine(tmp_path, monkeypatch):
     other = dict(m.machine, build="other")
     assert provenance.machine_id(other) != provenance.machine_id(m.machine)
     # the kernel choices measured for the target are part of the key: a table priced with
-    # the read-ahead on is not one priced with it off
+    # the read-ahead or the one-row kernel on is not one priced with it off
+    from specee_cpp.engine.decode_kernels import DecodeKernels
+
     monkeypatch.delenv(provenance.SWITCH_ENV.format("READ_AHEAD"), raising=False)
     keys = {}
-    for distance in (0, 4608):
+    for one_row, distance in ((0, 0), (0, 4608), (1, 0)):
         with LLM(t, draft=d, config=LoadConfig(n_ctx=128, n_batch=32, n_threads=1)) as llm:
-            llm.read_ahead = (distance, "as if measured")
-            keys[distance] = cost_model(llm)
-    assert keys[0].machine["kernels"].startswith("READ_AHEAD=0")
-    assert keys[4608].machine["kernels"].startswith("READ_AHEAD=4608")
-    assert keys[0].key != keys[4608].key
+            llm.decode_kernels = DecodeKernels({"ONE_ROW": one_row, "READ_AHEAD": distance},
+                                               "as if measured")
+            keys[one_row, distance] = cost_model(llm)
+    assert keys[0, 0].machine["kernels"].startswith("ONE_ROW=0; READ_AHEAD=0")
+    assert keys[0, 4608].machine["kernels"].startswith("ONE_ROW=0; READ_AHEAD=4608")
+    assert keys[1, 0].machine["kernels"].startswith("ONE_ROW=1; READ_AHEAD=0")
+    assert len({k.key for k in keys.values()}) == 3
 
 
 def test_measuring_the_table_leaves_no_cells_a_prompt_would_reuse(tmp_path, monkeypatch):
@@ -291,11 +295,11 @@ def test_a_kernel_switch_set_by_hand_is_another_machine(monkeypatch):
     # a row limit moves the price of verifying a few tokens by up to a third, the read-ahead
     # a plain token by 8-19%: set by hand (read as the library reads it: the leading digits
     # of a value that starts with one) a switch is part of the machine, unset it is not
-    for name in ("READ_AHEAD",) + ROW_SWITCHES:
+    for name in ("READ_AHEAD", "ONE_ROW") + ROW_SWITCHES:
         monkeypatch.delenv(provenance.SWITCH_ENV.format(name), raising=False)
     base = provenance.machine(2)
     assert "switches" not in base
-    for name in ("READ_AHEAD",) + ROW_SWITCHES:
+    for name in ("READ_AHEAD", "ONE_ROW") + ROW_SWITCHES:
         env = provenance.SWITCH_ENV.format(name)
         for raw, read in (("0", 0), ("8rows", 8), ("64", 64), ("x", None), ("-1", None),
                           (" 8", None)):
@@ -342,7 +346,8 @@ def test_the_library_reads_its_switches_as_the_package_does():
     assert all(start[n] >= max(LONG_BATCHES) for n in ("AMX_FUSED_ROWS", "REPACK_ROWS",
                                                        "Q6_K_ROWS", "ATTN_ROWS",
                                                        "DOT_ROWS")), start
-    assert start["READ_AHEAD"] == 0 and start["AMX"] == 1 and start["AMX_ROWS"] >= 1
+    assert start["READ_AHEAD"] == 0 and start["ONE_ROW"] == 0
+    assert start["AMX"] == 1 and start["AMX_ROWS"] >= 1
     hand = {"SPECEE_CPP_Q6_K_ROWS": "8rows", "SPECEE_CPP_REPACK_ROWS": "x",
             "SPECEE_CPP_READ_AHEAD": "1024", "SPECEE_CPP_AMX": "0", "SPECEE_CPP_AMX_ROWS": "-3"}
     got = read_switches(dict(env, **hand))
@@ -370,11 +375,11 @@ def test_kernel_switches_refuse_unknown_names_and_negative_values():
 
 def test_doctor_says_what_each_row_kernel_takes_and_where_that_came_from(monkeypatch,
                                                                           tmp_path):
-    from specee_cpp.doctor import amx_state, prefetch_state, row_kernels
+    from specee_cpp.doctor import amx_state, decode_kernel_state, row_kernels
     from specee_cpp.engine.prompt_kernels import EVERY_BATCH
 
     monkeypatch.setenv("SPECEE_CPP_HOME", str(tmp_path))
-    for name in ("READ_AHEAD", "AMX") + ROW_SWITCHES:
+    for name in ("READ_AHEAD", "ONE_ROW", "AMX") + ROW_SWITCHES:
         monkeypatch.delenv(provenance.SWITCH_ENV.format(name), raising=False)
     live = {"AMX_ROWS": 4, "AMX_FUSED_ROWS": 64, "REPACK_ROWS": 64, "Q6_K_ROWS": 64,
             "ATTN_ROWS": 64, "DOT_ROWS": 64}.get
@@ -399,12 +404,22 @@ def test_doctor_says_what_each_row_kernel_takes_and_where_that_came_from(monkeyp
     assert "off (SPECEE_CPP_AMX=0" in amx_state("AMX_INT8 = 1")
     # with AMX off the repacked kernels take the weights again
     assert row_kernels("AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", live)[0].startswith("REPACK")
+    # the decode kernels: off until measured, AMX's own where it decodes the Q4_K weights
+    assert decode_kernel_state("AVX2 = 1", "ONE_ROW", 0).startswith("off until measured")
+    assert decode_kernel_state("AVX2 = 1 | AMX_INT8 = 1", "ONE_ROW", 0).startswith(
+        "off until measured")                                  # AMX switched off (above)
+    monkeypatch.delenv(provenance.AMX_ENV)
+    assert decode_kernel_state("AVX2 = 1 | AMX_INT8 = 1", "ONE_ROW", 0).startswith(
+        "not used: AMX")
+    monkeypatch.setenv("SPECEE_CPP_ONE_ROW", "1")
+    assert decode_kernel_state("AVX2 = 1", "ONE_ROW", 1).startswith("on, set by hand")
     monkeypatch.setenv("SPECEE_CPP_READ_AHEAD", "4608")
-    assert prefetch_state("AVX2 = 1", 4608).startswith("4608 bytes ahead, set by hand")
+    assert decode_kernel_state("AVX2 = 1", "READ_AHEAD", 4608).startswith(
+        "4608 bytes ahead, set by hand")
     monkeypatch.setenv("SPECEE_CPP_READ_AHEAD", "0")
-    assert prefetch_state("AVX2 = 1", 0).startswith("off, set by hand")
-    assert "missing" in prefetch_state("AVX2 = 1", None)
-    assert prefetch_state("NEON = 1", 4608).startswith("not used")
+    assert decode_kernel_state("AVX2 = 1", "READ_AHEAD", 0).startswith("off, set by hand")
+    assert "missing" in decode_kernel_state("AVX2 = 1", "READ_AHEAD", None)
+    assert decode_kernel_state("NEON = 1", "READ_AHEAD", 4608).startswith("not used")
 
 
 def test_the_draft_runs_with_the_attention_its_cost_table_chose(tmp_path, monkeypatch):

@@ -88,13 +88,16 @@ def exact_then_upstream(out: str) -> None:
 
 
 @pytest.mark.skipif("not system_repacks_x86()", reason="no x86 repacked kernels (AVX2, REPACK)")
-@pytest.mark.parametrize("context", ["8", "600"])
+@pytest.mark.parametrize("context,one_row", [("8", "0"), ("600", "0"), ("8", "1")])
 def test_verification_batches_on_repacked_q4_k_equal_one_row_decodes(kdir, monkeypatch,
-                                                                      context):
+                                                                      context, one_row):
     # patch 0015's rows kernel of the build's ISA (AVX2: 32 rows a pass, so 33 = 32 + 1;
     # AVX-512 VNNI: two strips of columns at once). With AMX on, the
-    # AMX buffer takes these weights: switch it off so the repack runs.
+    # AMX buffer takes these weights: switch it off so the repack runs. ONE_ROW 1 (where
+    # timed faster) puts the one-token decodes on the rows kernel too: they still equal
+    # the batches' rows, which with ONE_ROW 0 equal upstream's one-row kernel's
     monkeypatch.setenv("SPECEE_CPP_AMX", "0")
+    monkeypatch.setenv("SPECEE_CPP_ONE_ROW", one_row)
     exact_then_upstream(child("small_batch_rows", str(kdir), "Q4_K", "1-70", "all", "wide",
                               context))
 

@@ -86,7 +86,7 @@ def library_file(name: str) -> Path | None:
 # integer, 0 meaning off (upstream's kernel); SPECEE_CPP_<name> sets one when the library
 # starts, set_kernel_switch between decodes. The library holds the defaults.
 KERNEL_SWITCHES = ("AMX", "AMX_ROWS", "AMX_FUSED_ROWS", "REPACK_ROWS", "Q6_K_ROWS", "READ_AHEAD",
-                   "ATTN_ROWS", "DOT_ROWS")
+                   "ATTN_ROWS", "DOT_ROWS", "ONE_ROW")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,9 +1,9 @@
 """Measurements of this machine taken in idle time, one after the other.
 
 Chat hands the time its user spends typing, and a server of one request at a time the time
-between requests, to what its models still lack here: the weights' read-ahead
-(engine/read_ahead.py) first, since every later timing decodes with it, then the pair's cost
-table (speculative/idle.py). Each job takes slices of one timed decode, so an answer waits
+between requests, to what its models still lack here: the decode kernels
+(engine/decode_kernels.py) first, since every later timing decodes with them, then the pair's
+cost table (speculative/idle.py). Each job takes slices of one timed decode, so an answer waits
 at most for the slice in flight.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ class IdleWork:
 
 
 def idle_work(llm, then: IdleJob | None, log: Callable[[str], None]) -> IdleWork:
-    """What ``llm``'s idle time measures: the weights' read-ahead where its load left it to
+    """What ``llm``'s idle time measures: the decode kernels where its load left them to
     idle time, then ``then`` (the pair's costs, or None); each says what it found in ``log``."""
-    from .read_ahead import IdleReadAhead
+    from .decode_kernels import IdleDecodeKernels
 
-    return IdleWork([IdleReadAhead(llm, log), then])
+    return IdleWork([IdleDecodeKernels(llm, log), then])

@@ -16,7 +16,7 @@ from . import modes
 from .chat_template import ChatTemplate
 from .modes import Mode
 from .prompt_kernels import prompt_kernels
-from .read_ahead import read_ahead
+from .decode_kernels import decode_kernels
 from .sequence import Sequence
 from .steps import Result, Step, Transcript, stream
 
@@ -164,11 +164,11 @@ class LLM:
         # the measurement left to idle time (speculative/idle.py); the CLI's chat, generate
         # and serve set it, a script and the benchmark measure first
         self.defer_costs = False
-        # the x86 kernels' weight read-ahead, as measured for this model on this machine (where
-        # it is not yet: timed now, or with ``measure_now`` False off until chat or serve
-        # times it in idle time), and the kernels that read its prompts where measured (else
-        # upstream's)
-        self.read_ahead = read_ahead(self, measure=measure_now)
+        # the x86 kernels of a one-token decode, as measured for this model on this machine
+        # (where they are not yet: timed now, or with ``measure_now`` False off until chat or
+        # serve times them in idle time), and the kernels that read its prompts where
+        # measured (else upstream's)
+        self.decode_kernels = decode_kernels(self, measure=measure_now)
         self.prompt_kernels = prompt_kernels(self)
 
     @property

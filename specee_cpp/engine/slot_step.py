@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from ..config import SLOT_DEFAULT, SLOT_GAIN
-from .read_ahead import settle
+from .decode_kernels import settle
 from .timing import cached_timing, measured_here, time_calls
 
 VERSION = 1   # part of the cache key: a changed method measures again
@@ -73,7 +73,7 @@ def step_timing(llm) -> tuple[dict, str]:
     """This machine's timing for the target (cached, else measured now and cached), and where
     it came from."""
     def measure(tokens: list[int]) -> dict:
-        settle(llm)   # the step and the one token decode as a server's will, read-ahead too
+        settle(llm)   # the step and the one token decode as a server's will, kernels too
         return time_step(llm.model, llm.config.threads, tokens)
 
     return cached_timing(

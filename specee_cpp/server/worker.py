@@ -105,7 +105,7 @@ class Worker:
             # (engine/idle.py), or None
             self.idle = idle
         else:
-            from ..engine.read_ahead import settle
+            from ..engine.decode_kernels import settle
             from ..engine.slots import slots
 
             # measuring takes the whole machine, which is never idle between requests of

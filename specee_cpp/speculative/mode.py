@@ -126,7 +126,7 @@ def cost_key_steps(llm, measure: bool = True, progress=None):
     # are the kernel choices measured for this target: a cache copied to another
     # machine, a rebuilt library or another choice measures again
     where = machine(llm.config.threads)
-    chosen = [f"READ_AHEAD={llm.read_ahead[0]}"] if llm.read_ahead[0] is not None else []
+    chosen = llm.decode_kernels.key()
     chosen += [f"{name}={kernel_switch(name)}" for name in llm.prompt_kernels]
     if chosen:
         where = {**where, "kernels": "; ".join(chosen)}
@@ -136,14 +136,14 @@ def cost_key_steps(llm, measure: bool = True, progress=None):
 
 def estimate_key(llm) -> str:
     """Cache key of the first estimate of the pair's costs on this machine: the machine and
-    the read-ahead chosen at load, not the prompt kernels (measured after it: they price
+    the decode kernels chosen at load, not the prompt kernels (measured after it: they price
     prompt batches, which it does not time)."""
     from ..provenance import machine, machine_id
     from .cost import MEASURE_VERSION
 
     where = machine(llm.config.threads)
-    if llm.read_ahead[0] is not None:
-        where = {**where, "kernels": f"READ_AHEAD={llm.read_ahead[0]}"}
+    if llm.decode_kernels.values:
+        where = {**where, "kernels": "; ".join(llm.decode_kernels.key())}
     return (f"estimate-{llm.model.sha256[:12]}-{llm.draft_sha256()[:12]}"
             f"-m{machine_id(where)}-v{MEASURE_VERSION}")
 
